@@ -1,0 +1,37 @@
+"""Masked reductions and the critic's clipped value loss (ALGORITHMS.md §1.7)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None = 0.2):
+    """Per-token ½·max((V − G)², (V_old + clip(V − V_old, −ε, ε) − G)²) and where the clipped branch won.
+
+    V_old are the critic's values at the start of the step (the ones GAE used); ε bounds how far one step
+    moves a value, in reward units.
+    """
+    plain = (values - returns).square()
+    if clip is None:
+        return 0.5 * plain, torch.zeros_like(plain)
+    clipped_v = old_values + (values - old_values).clamp(-clip, clip)
+    clipped = (clipped_v - returns).square()
+    return 0.5 * torch.maximum(plain, clipped), (clipped > plain).float()
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var[G − V] / Var[G] over action tokens (1: perfect critic, 0: no better than a constant)."""
+    m = mask.bool()
+    if int(m.sum()) < 2:
+        return float("nan")
+    g, v = returns[m].double(), values[m].double()
+    var_g = g.var()
+    return float("nan") if var_g <= 0 else float(1.0 - (g - v).var() / var_g)

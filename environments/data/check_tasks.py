@@ -1,0 +1,484 @@
+#!/usr/bin/env python3
+"""Validate and verify the shipped coding tasks (coding_tasks.jsonl).
+
+Usage (from the repository root):
+
+    /work/venv/bin/python environments/data/check_tasks.py [TASKS.jsonl] [--only ID ...] [--no-run]
+
+For every task line this script
+
+1. validates the schema and the dataset rules (keys, types, unique ids,
+   counts per split/domain/difficulty, safe relative paths, files ending with
+   a newline, number of visible/hidden tests, standard-library-only imports,
+   no sleeps / network / unseeded randomness, no pytest config files);
+2. in a fresh temporary directory writes the starting files plus the visible
+   and hidden tests and checks that the hidden tests FAIL on the starting code
+   (pytest exit code 1: tests were collected, ran, and at least one failed);
+3. writes the reference solution over the starting files and checks that the
+   hidden tests and the visible tests each PASS (run separately, so the
+   hidden tests cannot depend on the visible ones) and that no test phase
+   takes 0.1 s or more.
+
+It prints one line per task and exits non-zero on any problem.
+Only python3 (stdlib) and pytest are needed. Tasks are checked sequentially.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path, PurePosixPath
+
+DEFAULT_TASKS = Path(__file__).resolve().parent / "coding_tasks.jsonl"
+
+REQUIRED_KEYS = {
+    "id", "domain", "difficulty", "split", "statement", "entry_file", "files",
+    "visible_tests", "hidden_tests", "reference_solution",
+}
+DOMAINS = ("function", "bugfix")
+SPLITS = ("train", "heldout")
+DIFFICULTIES = (1, 2, 3)
+
+# Dataset composition rules.
+EXPECTED_TOTAL = 48
+EXPECTED_DOMAIN = {"function": 32, "bugfix": 16}
+EXPECTED_SPLIT = {"train": 36, "heldout": 12}
+TARGET_DIFFICULTY = {1: 16, 2: 20, 3: 12}  # "roughly": allowed deviation below
+DIFFICULTY_TOLERANCE = 2
+EXPECTED_HELDOUT_DIFFICULTY = {1: 4, 2: 4, 3: 4}
+MIN_HELDOUT_DIFFICULTY_1 = 4
+VISIBLE_TESTS_RANGE = (1, 3)
+HIDDEN_TESTS_RANGE = (4, 10)
+
+ID_RE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*$")
+FORBIDDEN_FILENAMES = {
+    "conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+    "__init__.py", "sitecustomize.py", "usercustomize.py",
+}
+# Modules that would make a task slow, flaky or networked.
+FORBIDDEN_MODULES = {
+    "socket", "urllib", "http", "ftplib", "smtplib", "poplib", "imaplib",
+    "telnetlib", "ssl", "asyncio", "subprocess", "multiprocessing",
+    "threading", "concurrent", "time", "requests", "secrets",
+}
+STDLIB = set(getattr(sys, "stdlib_module_names", ())) or None
+PYTEST_SLOW_LIMIT_S = 0.1
+SUBPROCESS_TIMEOUT_S = 120
+
+
+# ---------------------------------------------------------------------------
+# static validation
+# ---------------------------------------------------------------------------
+
+def _is_safe_relpath(path: str) -> bool:
+    if not isinstance(path, str) or not path or "\\" in path or "\x00" in path:
+        return False
+    p = PurePosixPath(path)
+    if p.is_absolute() or path.startswith("~"):
+        return False
+    parts = path.split("/")
+    return all(part not in ("", ".", "..") for part in parts)
+
+
+def _count_tests(tree: ast.Module) -> int:
+    n = 0
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            n += 1
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            n += sum(
+                1 for sub in node.body
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and sub.name.startswith("test")
+            )
+    return n
+
+
+def _imports(tree: ast.AST):
+    """Yield (top-level module name, imported names) for every import."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name.split(".")[0], []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: local package
+                yield "", [a.name for a in node.names]
+            else:
+                yield node.module.split(".")[0], [a.name for a in node.names]
+
+
+def _check_file_list(task, key, errors, min_len=1):
+    value = task.get(key)
+    if not isinstance(value, list) or len(value) < min_len:
+        errors.append(f"{key}: must be a list with at least {min_len} entry")
+        return []
+    seen = set()
+    out = []
+    for i, entry in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"path", "content"}:
+            errors.append(f"{where}: must be an object with exactly keys path, content")
+            continue
+        path, content = entry["path"], entry["content"]
+        if not isinstance(path, str) or not isinstance(content, str):
+            errors.append(f"{where}: path and content must be strings")
+            continue
+        if not _is_safe_relpath(path):
+            errors.append(f"{where}: unsafe path {path!r} (must be relative, no '..')")
+            continue
+        if path in seen:
+            errors.append(f"{where}: duplicate path {path!r}")
+        seen.add(path)
+        if PurePosixPath(path).name in FORBIDDEN_FILENAMES:
+            errors.append(f"{where}: forbidden file {path!r}")
+        if not content.endswith("\n"):
+            errors.append(f"{where}: content of {path!r} must end with a newline")
+        out.append((path, content))
+    return out
+
+
+def validate_task(task, errors):
+    """Static checks of one task. Appends messages to errors; returns parsed info."""
+    if not isinstance(task, dict):
+        errors.append("line is not a JSON object")
+        return None
+    keys = set(task)
+    if keys != REQUIRED_KEYS:
+        missing = sorted(REQUIRED_KEYS - keys)
+        extra = sorted(keys - REQUIRED_KEYS)
+        errors.append(f"keys mismatch (missing={missing}, extra={extra})")
+        return None
+
+    tid = task["id"]
+    if not isinstance(tid, str) or not ID_RE.match(tid):
+        errors.append(f"id {tid!r} is not snake_case")
+    if task["domain"] not in DOMAINS:
+        errors.append(f"domain {task['domain']!r} not in {DOMAINS}")
+    diff = task["difficulty"]
+    if type(diff) is not int or diff not in DIFFICULTIES:
+        errors.append(f"difficulty {diff!r} not in {DIFFICULTIES}")
+    if task["split"] not in SPLITS:
+        errors.append(f"split {task['split']!r} not in {SPLITS}")
+    statement = task["statement"]
+    if not isinstance(statement, str) or len(statement.strip()) < 40:
+        errors.append("statement must be a non-trivial string")
+        statement = statement if isinstance(statement, str) else ""
+    entry = task["entry_file"]
+    if not isinstance(entry, str) or not _is_safe_relpath(entry) or not entry.endswith(".py"):
+        errors.append(f"entry_file {entry!r} must be a safe relative .py path")
+        entry = None
+    elif task["domain"] == "function" and entry != "solution.py":
+        errors.append("function tasks must use entry_file 'solution.py'")
+
+    files = _check_file_list(task, "files", errors)
+    visible = _check_file_list(task, "visible_tests", errors)
+    hidden = _check_file_list(task, "hidden_tests", errors)
+    reference = _check_file_list(task, "reference_solution", errors)
+    if errors:
+        return None
+
+    file_paths = {p for p, _ in files}
+    ref_paths = {p for p, _ in reference}
+    test_paths = [p for p, _ in visible] + [p for p, _ in hidden]
+    if len(set(test_paths)) != len(test_paths):
+        errors.append("visible and hidden tests share a path")
+    for p in test_paths:
+        name = PurePosixPath(p).name
+        if not (p.startswith("tests/") and name.startswith("test_") and name.endswith(".py")):
+            errors.append(f"test path {p!r} must look like tests/test_*.py")
+        if p in file_paths or p in ref_paths:
+            errors.append(f"test path {p!r} collides with a workspace/reference file")
+    for p in file_paths | ref_paths:
+        if p.startswith("tests/"):
+            errors.append(f"workspace file {p!r} must not live under tests/")
+    if entry is not None:
+        if entry not in file_paths:
+            errors.append(f"entry_file {entry!r} is not among files")
+        if entry not in ref_paths:
+            errors.append(f"entry_file {entry!r} is not among reference_solution")
+        if entry not in statement:
+            errors.append(f"statement does not name the entry file {entry!r}")
+    if ref_paths - file_paths:
+        errors.append(f"reference_solution writes files not in the workspace: {sorted(ref_paths - file_paths)}")
+
+    start = dict(files)
+    ref = dict(reference)
+    if entry in start and entry in ref:
+        if task["domain"] == "function" and "raise NotImplementedError" not in start[entry]:
+            errors.append("function stub must contain 'raise NotImplementedError'")
+        if task["domain"] == "bugfix" and start[entry] == ref[entry]:
+            errors.append("bugfix starting entry file is identical to the reference")
+    if task["domain"] == "bugfix" and len(files) > 2:
+        errors.append("bugfix tasks have at most 2 starting files")
+
+    local_modules = {
+        PurePosixPath(p).with_suffix("").parts[0] for p in file_paths | ref_paths if p.endswith(".py")
+    }
+    for mod in local_modules:
+        if STDLIB and mod in STDLIB:
+            errors.append(f"local module {mod!r} shadows a standard-library module")
+        if mod in ("pytest", "_pytest", "tests", "test"):
+            errors.append(f"local module name {mod!r} is reserved")
+
+    all_py = (
+        [("files", p, c) for p, c in files]
+        + [("visible", p, c) for p, c in visible]
+        + [("hidden", p, c) for p, c in hidden]
+        + [("reference", p, c) for p, c in reference]
+    )
+    test_counts = {"visible": 0, "hidden": 0}
+    imported_names = set()
+    for kind, path, content in all_py:
+        if not path.endswith(".py"):
+            continue
+        try:
+            tree = ast.parse(content, filename=path)
+        except SyntaxError as exc:
+            errors.append(f"{kind} {path}: syntax error: {exc}")
+            continue
+        for mod, names in _imports(tree):
+            if mod in local_modules or mod == "":
+                if kind in ("visible", "hidden"):
+                    imported_names.update(names)
+                continue
+            if mod == "pytest":
+                if kind not in ("visible", "hidden"):
+                    errors.append(f"{kind} {path}: only tests may import pytest")
+                continue
+            if mod in FORBIDDEN_MODULES:
+                errors.append(f"{kind} {path}: forbidden import {mod!r}")
+            elif STDLIB is not None and mod not in STDLIB:
+                errors.append(f"{kind} {path}: non-stdlib import {mod!r}")
+            if mod == "random" and "seed" not in content:
+                errors.append(f"{kind} {path}: uses random without a fixed seed")
+        if "sleep(" in content:
+            errors.append(f"{kind} {path}: must not sleep")
+        if kind in test_counts:
+            test_counts[kind] += _count_tests(tree)
+        if kind == "hidden" and "test_visible" in content:
+            errors.append(f"hidden {path}: must not depend on the visible tests")
+    lo, hi = VISIBLE_TESTS_RANGE
+    if not lo <= test_counts["visible"] <= hi:
+        errors.append(f"{test_counts['visible']} visible tests (need {lo}-{hi})")
+    lo, hi = HIDDEN_TESTS_RANGE
+    if not lo <= test_counts["hidden"] <= hi:
+        errors.append(f"{test_counts['hidden']} hidden tests (need {lo}-{hi})")
+    for name in sorted(imported_names):
+        if name != "*" and name not in statement:
+            errors.append(f"tests import {name!r}, which the statement does not name")
+    return {"files": files, "visible": visible, "hidden": hidden, "reference": reference,
+            "n_visible": test_counts["visible"], "n_hidden": test_counts["hidden"]}
+
+
+def validate_dataset(tasks, problems):
+    counts = {
+        "split": collections.Counter(t["split"] for t in tasks),
+        "domain": collections.Counter(t["domain"] for t in tasks),
+        "difficulty": collections.Counter(t["difficulty"] for t in tasks),
+    }
+    held = [t for t in tasks if t["split"] == "heldout"]
+    held_diff = collections.Counter(t["difficulty"] for t in held)
+    held_dom = collections.Counter(t["domain"] for t in held)
+    train_dom = collections.Counter(t["domain"] for t in tasks if t["split"] == "train")
+
+    if len(tasks) != EXPECTED_TOTAL:
+        problems.append(f"dataset: {len(tasks)} tasks, expected {EXPECTED_TOTAL}")
+    for dom, n in EXPECTED_DOMAIN.items():
+        if counts["domain"][dom] != n:
+            problems.append(f"dataset: {counts['domain'][dom]} {dom} tasks, expected {n}")
+    for split, n in EXPECTED_SPLIT.items():
+        if counts["split"][split] != n:
+            problems.append(f"dataset: {counts['split'][split]} {split} tasks, expected {n}")
+    for d, n in TARGET_DIFFICULTY.items():
+        if abs(counts["difficulty"][d] - n) > DIFFICULTY_TOLERANCE:
+            problems.append(f"dataset: {counts['difficulty'][d]} difficulty-{d} tasks, expected about {n}")
+    for d, n in EXPECTED_HELDOUT_DIFFICULTY.items():
+        if held_diff[d] != n:
+            problems.append(f"dataset: {held_diff[d]} heldout difficulty-{d} tasks, expected {n}")
+    if held_diff[1] < MIN_HELDOUT_DIFFICULTY_1:
+        problems.append(f"dataset: only {held_diff[1]} heldout difficulty-1 tasks")
+    for dom in DOMAINS:
+        if held_dom[dom] == 0:
+            problems.append(f"dataset: heldout split has no {dom} tasks")
+        if train_dom[dom] == 0:
+            problems.append(f"dataset: train split has no {dom} tasks")
+    return counts, held_diff, held_dom
+
+
+# ---------------------------------------------------------------------------
+# dynamic verification
+# ---------------------------------------------------------------------------
+
+_SUMMARY_RE = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)s (setup|call|teardown)\s+(\S+)", re.M)
+
+
+def _write(root: Path, entries):
+    for path, content in entries:
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+
+
+def _clean_env():
+    drop = {"PYTHONPATH", "PYTHONSTARTUP", "PYTHONSAFEPATH", "PYTHONWARNINGS", "PYTHONBREAKPOINT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PYTEST_")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def run_pytest(cwd: Path, test_files, durations=False):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    if durations:
+        cmd += ["--durations=0", f"--durations-min={PYTEST_SLOW_LIMIT_S}"]
+    cmd += list(test_files)
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=_clean_env(), capture_output=True,
+                              text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return -1, "TIMEOUT", collections.Counter(), []
+    out = proc.stdout + proc.stderr
+    summary = collections.Counter()
+    for line in out.strip().splitlines()[-3:]:
+        for n, what in _SUMMARY_RE.findall(line):
+            summary["error" if what.startswith("error") else what] += int(n)
+    slow = [(float(s), phase, node) for s, phase, node in _DURATION_RE.findall(out)
+            if float(s) >= PYTEST_SLOW_LIMIT_S]
+    return proc.returncode, out, summary, slow
+
+
+def _tail(text, n=15):
+    return "\n".join("      | " + line for line in text.strip().splitlines()[-n:])
+
+
+def verify_task(task, info, errors):
+    """Run the tests; returns a short status string."""
+    hidden_paths = [p for p, _ in info["hidden"]]
+    visible_paths = [p for p, _ in info["visible"]]
+    with tempfile.TemporaryDirectory(prefix=f"task_{task['id']}_") as tmp:
+        root = Path(tmp)
+        _write(root, info["files"])
+        _write(root, info["visible"])
+        _write(root, info["hidden"])
+
+        # (a) hidden tests must fail on the starting code (but be collectable).
+        rc, out, summary, _ = run_pytest(root, hidden_paths)
+        if rc == 0:
+            errors.append("hidden tests PASS on the starting code")
+        elif rc != 1:
+            errors.append(f"hidden tests on starting code: pytest exit code {rc} "
+                          f"(collection/usage error, expected 1)\n{_tail(out)}")
+        elif summary["failed"] < 1:
+            errors.append(f"hidden tests on starting code: no failing test reported\n{_tail(out)}")
+        start_failed, start_total = summary["failed"], summary["failed"] + summary["passed"]
+
+        # (b) reference solution: hidden alone, then visible alone, must pass.
+        _write(root, info["reference"])
+        results = {}
+        for label, paths, expected in (("hidden", hidden_paths, info["n_hidden"]),
+                                       ("visible", visible_paths, info["n_visible"])):
+            rc, out, summary, slow = run_pytest(root, paths, durations=True)
+            if rc != 0:
+                errors.append(f"{label} tests FAIL with the reference solution (rc={rc})\n{_tail(out)}")
+            elif summary["passed"] < expected or summary["failed"] or summary["error"]:
+                errors.append(f"{label} tests: unexpected summary {dict(summary)}")
+            for secs, phase, node in slow:
+                errors.append(f"{label} test too slow: {node} {phase} {secs:.2f}s")
+            results[label] = summary["passed"]
+    return (f"start: {start_failed}/{start_total} hidden failed; "
+            f"ref: {results.get('hidden', 0)} hidden + {results.get('visible', 0)} visible passed")
+
+
+# ---------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tasks", nargs="?", default=str(DEFAULT_TASKS), help="path to coding_tasks.jsonl")
+    ap.add_argument("--only", nargs="*", default=None, help="verify only these task ids")
+    ap.add_argument("--no-run", action="store_true", help="static validation only")
+    args = ap.parse_args(argv)
+
+    path = Path(args.tasks)
+    problems = []
+    tasks, infos, per_task_errors = [], {}, {}
+    seen_ids = set()
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                problems.append(f"line {lineno}: empty line")
+                continue
+            try:
+                task = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"line {lineno}: invalid JSON: {exc}")
+                continue
+            errors = []
+            info = validate_task(task, errors)
+            if not isinstance(task, dict) or set(task) != REQUIRED_KEYS or not isinstance(task["id"], str):
+                problems.extend(f"line {lineno}: {e}" for e in errors or ["malformed task"])
+                continue
+            tid = task["id"]
+            if tid in seen_ids:
+                errors.append(f"duplicate id {tid!r}")
+            seen_ids.add(tid)
+            tasks.append(task)
+            infos[tid] = info
+            per_task_errors[tid] = errors
+
+    counts, held_diff, held_dom = validate_dataset(tasks, problems)
+
+    selected = [t for t in tasks if args.only is None or t["id"] in args.only]
+    if args.only:
+        unknown = set(args.only) - {t["id"] for t in tasks}
+        if unknown:
+            problems.append(f"--only: unknown ids {sorted(unknown)}")
+
+    n_ok = 0
+    t0 = time.monotonic()
+    width = max((len(t["id"]) for t in selected), default=10)
+    for task in selected:
+        tid = task["id"]
+        errors = per_task_errors[tid]
+        status = "static checks only"
+        start = time.monotonic()
+        if not errors and not args.no_run:
+            status = verify_task(task, infos[tid], errors)
+        tag = f"[{task['split']:<7} {task['domain']:<8} d{task['difficulty']}]"
+        elapsed = time.monotonic() - start
+        if errors:
+            print(f"FAIL {tid:<{width}} {tag}")
+            for e in errors:
+                print(f"      - {e}")
+            problems.extend(f"{tid}: {e.splitlines()[0]}" for e in errors)
+        else:
+            n_ok += 1
+            print(f"ok   {tid:<{width}} {tag} {status} ({elapsed:.1f}s)", flush=True)
+
+    print()
+    print(f"tasks: {len(tasks)}  split: {dict(sorted(counts['split'].items()))}  "
+          f"domain: {dict(sorted(counts['domain'].items()))}  "
+          f"difficulty: {dict(sorted(counts['difficulty'].items()))}")
+    print(f"heldout difficulty: {dict(sorted(held_diff.items()))}  "
+          f"heldout domain: {dict(sorted(held_dom.items()))}")
+    print(f"heldout ids: {', '.join(t['id'] for t in tasks if t['split'] == 'heldout')}")
+    verb = "validated" if args.no_run else "verified"
+    print(f"{n_ok}/{len(selected)} tasks {verb} in {time.monotonic() - t0:.1f}s")
+    if problems:
+        print(f"\n{len(problems)} problem(s):")
+        for p in problems:
+            print(f"  - {p}")
+        return 1
+    print("ALL CHECKS PASSED")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

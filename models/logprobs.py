@@ -1,0 +1,80 @@
+"""Per-token log-probabilities and values, computed in sequence chunks.
+
+Full-vocabulary logits for a whole batch are the largest activation of a policy forward ([B, T, V] floats:
+4 × 2048 × 49152 × 4 B = 1.6 GB for SmolLM2). We run the backbone once, then the LM head and the log-softmax
+chunk by chunk under activation checkpointing, so at most [B, chunk, V] logits live at a time, forward and
+backward.
+
+Alignment (ALGORITHMS.md §0.3): position t of the output holds log π(x_t | x_<t), i.e. it comes from the hidden
+state at t-1. Position 0 has no prediction and is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, inv_temperature: float,
+                    with_entropy: bool):
+    logits = head(hidden).float()
+    if inv_temperature != 1.0:
+        logits = logits * inv_temperature
+    if not with_entropy:  # fused log-softmax + gather: the cheapest path through [B, chunk, V]
+        logp = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        return logp, torch.zeros_like(logp)
+    logsm = torch.log_softmax(logits, dim=-1)
+    logp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    return logp, entropy
+
+
+def policy_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    with_entropy: bool = False,
+    only: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(x_t | x_<t) for every position of a right-padded batch → ([B, T], entropy [B, T]).
+
+    `temperature` must equal the rollout temperature: the engine sampled from softmax(logits / T).
+    `only` ([B, T], e.g. the loss mask): compute the LM head just at those positions (the others are 0). Agent
+    traces are mostly prompt and observations, so this skips most of the [·, V] work and memory.
+    """
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    head = model.get_output_embeddings()
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state[:, :-1]
+    targets = input_ids[:, 1:]
+    inv_t = 1.0 / max(temperature, 1e-6)
+    select = (only[:, 1:] > 0) if only is not None else attention_mask[:, 1:] > 0
+    h, y = hidden[select], targets[select]  # [N, H], [N]: the positions that need a prediction
+    out_lp, out_ent = [], []
+    rows = max(1, chunk_size * input_ids.shape[0])
+    for start in range(0, h.shape[0], rows):
+        args = (head, h[start:start + rows].unsqueeze(0), y[start:start + rows].unsqueeze(0), inv_t, with_entropy)
+        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() \
+            else _chunk_logprobs(*args)
+        out_lp.append(lp[0])
+        out_ent.append(ent[0])
+    logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    entropy = torch.zeros_like(logp)
+    if out_lp:
+        logp[:, 1:][select] = torch.cat(out_lp)
+        entropy[:, 1:][select] = torch.cat(out_ent)
+    return logp, entropy
+
+
+def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """V(t) for every position, aligned like `policy_logprobs`: V(t) reads the hidden state at t-1 (the state
+    in which the action x_t is chosen). Position 0 is 0."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    scores = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    values = scores[..., 0].float()
+    return F.pad(values[:, :-1], (1, 0))

@@ -1,0 +1,188 @@
+"""DeepSpeed set-up shared by the actor and the critic workers.
+
+Each trainer (actor, critic) is its own DeepSpeed world. On one CPU process it is a world of size 1 on gloo;
+the framework sets the rendezvous variables itself so that nobody needs a launcher or mpi4py. On GPU hosts the
+Ray placement gives each rank its GPU and the same function is called with the rank's coordinates.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def release_memory() -> None:
+    """Give freed activation memory back to the OS. On CPU, glibc keeps large freed blocks in the process, and
+    the actor, critic and rollout processes share one machine's RAM."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+
+def init_distributed(env: DistEnv | None = None) -> str:
+    """Set the torch.distributed rendezvous variables and initialise DeepSpeed's comm; returns the backend."""
+    import deepspeed
+
+    env = env or DistEnv()
+    os.environ.update(
+        RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
+        MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port or free_port()),
+    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return backend
+
+
+def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float, grad_clip: float,
+                     zero_stage: int, dtype: torch.dtype):
+    """Wrap `model` in a DeepSpeed engine with a torch AdamW client optimizer.
+
+    torch's AdamW needs no JIT build (DeepSpeed's CPU Adam takes 1-2 minutes to compile on first use); ZeRO
+    partitions its state all the same. Gradient accumulation is driven by the caller through
+    `set_gradient_accumulation_boundary`, because the number of micro-batches per step varies with the
+    rollouts (compaction makes the segment count per step unknown in advance).
+    """
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.999),
+                                  eps=1e-8)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def accumulate_and_step(engine, micro_losses) -> float:
+    """Backward every micro-batch loss (already scaled by the global denominator), then one optimiser step.
+
+    `micro_losses` is an iterable of zero-argument callables so that each forward runs right before its own
+    backward (only one micro-batch's activations alive at a time). Returns the gradient norm.
+    """
+    losses = list(micro_losses)
+    for i, compute in enumerate(losses):
+        engine.set_gradient_accumulation_boundary(i == len(losses) - 1)
+        loss = compute()
+        engine.backward(loss, scale_wrt_gas=False)
+    norm = engine.get_global_grad_norm() if engine.zero_optimization_stage() > 0 else None
+    if norm is None:  # ZeRO-0 keeps plain .grad tensors: measure before the step clips them
+        grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
+    engine.step()
+    if engine.zero_optimization_stage() > 0:
+        norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    micro_batch_tokens: int = 4096  # rows × padded length per forward/backward
+    gradient_checkpointing: bool = False
+
+
+class DeepSpeedWorker:
+    """A model wrapped in a DeepSpeed engine, with micro-batching and checkpoint I/O. The actor and the critic
+    workers are subclasses; on Ray each is an actor process of its own (its own DeepSpeed world)."""
+
+    def __init__(self, model: nn.Module, optim: OptimConfig, dtype: torch.dtype, seed: int = 0,
+                 torch_threads: int = 0, dist: DistEnv | None = None, tokenizer_source: str | None = None):
+        # Ray sets OMP_NUM_THREADS=1 in workers without CPUs reserved: choose the thread count ourselves.
+        torch.set_num_threads(torch_threads or os.cpu_count() or 1)
+        torch.manual_seed(seed)
+        self.optim = optim
+        self.tokenizer_source = tokenizer_source
+        self.backend = init_distributed(dist)
+        if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,
+                                       optim.zero_stage, dtype)
+        self.device = self.engine.device
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def micro_batches(self, samples: list[dict], fields: tuple[str, ...]):
+        from models.batching import make_micro_batches
+
+        return make_micro_batches(samples, fields, self.optim.micro_batch_tokens, self.device)
+
+    def gathered_state(self) -> dict[str, torch.Tensor]:
+        """Full (unpartitioned) parameters on CPU, named as in the HF checkpoint."""
+        import deepspeed
+
+        params = dict(self.module.named_parameters())
+        if self.optim.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in params.items()}
+        return {k: v.detach().cpu().clone() for k, v in params.items()}
+
+    def save_hf(self, folder: str, tokenizer_from: str | None = None) -> None:
+        """HF-format folder (config.json + safetensors) that transformers and our engines load as it is."""
+        from pathlib import Path
+
+        state = self.gathered_state()
+        self.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        if tokenizer_from:
+            from models.loading import load_tokenizer
+
+            load_tokenizer(tokenizer_from).save_pretrained(folder)
+        Path(folder, ".complete").touch()
+
+    def save_state(self, folder: str) -> None:
+        """Engine state: weights, optimizer moments, step counters (resumable exactly)."""
+        self.engine.save_checkpoint(folder, tag="state", save_latest=False)
+
+    def load_state(self, folder: str) -> None:
+        path, _ = self.engine.load_checkpoint(folder, tag="state", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}")
+
+    def save(self, folder: str) -> None:
+        """A checkpoint: `hf/` for transformers, SGLang and evaluation; `state/` to resume training."""
+        self.save_hf(f"{folder}/hf", tokenizer_from=self.tokenizer_source)
+        self.save_state(f"{folder}/state")
+
+    def load(self, folder: str) -> None:
+        self.load_state(f"{folder}/state")

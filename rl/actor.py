@@ -1,0 +1,129 @@
+"""The actor worker: the policy under DeepSpeed, its PPO update, and the source of weight syncs."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from critic.losses import masked_sum
+from models import load_model, policy_logprobs, to_dtype
+from models.batching import unbatch
+from models.training import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
+from rl.config import AlgorithmConfig
+from rl.losses import kl_estimate, ppo_policy_loss, rollout_correction
+
+
+class ActorWorker(DeepSpeedWorker):
+    def __init__(self, model_path: str, optim: OptimConfig, algo: AlgorithmConfig, temperature: float = 1.0,
+                 dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None):
+        self.model_path = model_path
+        self.algo = algo
+        # The engine sampled from softmax(logits / T); π_old and π_θ must be the same function (greedy: T = 1).
+        self.temperature = temperature if temperature > 0 else 1.0
+        super().__init__(load_model(model_path, "policy", dtype=dtype), optim, to_dtype(dtype), seed,
+                         torch_threads, dist, tokenizer_source=model_path)
+        self.reference = None
+        if algo.use_reference or algo.kl_coef > 0 or algo.kl_loss_coef > 0:
+            self.reference = load_model(model_path, "policy", dtype=dtype, device=self.device).eval()
+            self.reference.requires_grad_(False)
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[dict]) -> dict[str, list[list[float]]]:
+        """π_old (this step's proximal policy) and, if kept, π_ref logprobs of every token."""
+        self.module.eval()
+        batches = self.micro_batches(samples, ("loss_mask",))
+        old, ref = [], []
+        for mb in batches:
+            ids, attn, only = mb.tensors["input_ids"], mb.tensors["attention_mask"], mb.tensors["loss_mask"]
+            old.append(policy_logprobs(self.module, ids, attn, self.temperature, only=only)[0])
+            if self.reference is not None:
+                ref.append(policy_logprobs(self.reference, ids, attn, self.temperature, only=only)[0])
+        release_memory()
+        out = {"old_logprobs": unbatch(batches, old, len(samples))}
+        if self.reference is not None:
+            out["ref_logprobs"] = unbatch(batches, ref, len(samples))
+        return out
+
+    def train_step(self, samples: list[dict]) -> dict:
+        """One PPO optimiser step over all segments of the step (whole-batch token-mean, ALGORITHMS.md §1.8).
+        Samples carry token_ids, loss_mask, advantages, old_logprobs, rollout_logprobs (and ref_logprobs)."""
+        started = time.perf_counter()
+        a = self.algo
+        fields = ("loss_mask", "advantages", "old_logprobs", "rollout_logprobs")
+        if self.reference is not None:
+            fields += ("ref_logprobs",)
+        self.module.train()
+        batches = self.micro_batches(samples, fields)
+        denom = sum(float(sum(s["loss_mask"])) for s in samples) or 1.0  # pre-rejection count (§1.8)
+        sums: dict[str, float] = {}
+
+        def add(key: str, value) -> None:
+            sums[key] = sums.get(key, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+
+        def micro_loss(mb):
+            def compute():
+                t = mb.tensors
+                mask = t["loss_mask"]
+                logp, entropy = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
+                                                with_entropy=True, only=mask)
+                weights, keep, corr = rollout_correction(t["old_logprobs"], t["rollout_logprobs"], mask,
+                                                         a.tis_low, a.tis_high, a.mask_low or None,
+                                                         a.mask_high or None, a.veto or None)
+                pg, stats = ppo_policy_loss(logp, t["old_logprobs"], t["advantages"], mask, a.clip_low, a.clip_high,
+                                            a.dual_clip or None)
+                effective = mask * keep
+                per_token = pg * weights
+                if a.kl_loss_coef > 0:
+                    per_token = per_token + a.kl_loss_coef * kl_estimate(logp, t["ref_logprobs"], a.kl_estimator)
+                if a.entropy_coef > 0:
+                    per_token = per_token - a.entropy_coef * entropy
+                loss = masked_sum(per_token, effective) / denom
+                add("loss", loss)
+                add("pg", masked_sum(pg, effective) / denom)
+                add("entropy", masked_sum(entropy.detach(), mask))
+                if self.reference is not None:
+                    add("kl_ref", masked_sum(kl_estimate(logp.detach(), t["ref_logprobs"], "k3"), mask))
+                for k, v in {**stats, **corr}.items():
+                    add(k, v)
+                return loss
+            return compute
+
+        grad_norm = accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches])
+        release_memory()
+        tokens = sum(len(s["token_ids"]) for s in samples)
+        elapsed = time.perf_counter() - started
+        metrics = {
+            "actor/loss": sums["loss"], "actor/pg_loss": sums["pg"], "actor/grad_norm": grad_norm,
+            "actor/entropy": sums["entropy"] / denom, "actor/clipfrac": sums["clip_tokens"] / denom,
+            "actor/dual_clipfrac": sums["dual_clip_tokens"] / denom,
+            "actor/approx_kl": sums["approx_kl_sum"] / denom,
+            "mismatch/tis_truncated_frac": sums["tis_truncated_tokens"] / denom,
+            "mismatch/masked_frac": sums["mismatch_masked_tokens"] / denom,
+            "mismatch/train_rollout_logprob_abs_diff": sums["mismatch_abs_logp_sum"] / denom,
+            "mismatch/vetoed_segments": sums["vetoed_sequences"],
+            "perf/actor_train_s": elapsed, "perf/actor_train_tokens_per_s": tokens / max(elapsed, 1e-9),
+        }
+        if "kl_ref" in sums:
+            metrics["actor/kl_ref"] = sums["kl_ref"] / denom
+        return metrics
+
+    def weight_buckets(self, bucket_mb: int) -> list[dict[str, torch.Tensor]]:
+        """The policy's parameters in buckets of about `bucket_mb` MB, in a fixed order."""
+        buckets, current, size = [], {}, 0
+        limit = bucket_mb * 1024 * 1024
+        for name, tensor in self.gathered_state().items():
+            current[name] = tensor
+            size += tensor.numel() * tensor.element_size()
+            if size >= limit:
+                buckets.append(current)
+                current, size = {}, 0
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def weight_bucket_refs(self, bucket_mb: int) -> list:
+        """Buckets put into Ray's object store once; every rollout worker pulls them from there."""
+        import ray
+
+        return [ray.put(b) for b in self.weight_buckets(bucket_mb)]

@@ -1,0 +1,53 @@
+"""Checkpoints: HF-format actor and critic, DeepSpeed states (optimizer included), the data position and RNG.
+
+A checkpoint directory is complete once `trainer_state.json` is written; `latest` is updated after that, by an
+atomic rename, so a run killed mid-save resumes from the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+
+class Checkpointer:
+    def __init__(self, run_dir: Path, keep: int = 2):
+        self.root = Path(run_dir) / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step_{step:06d}"
+
+    def save(self, step: int, save_actor, save_critic, state: dict) -> Path:
+        """`save_actor(folder)` / `save_critic(folder)` write the workers' parts (they may run remotely)."""
+        folder = self.path(step)
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        save_actor(str(folder / "actor"))
+        save_critic(str(folder / "critic"))
+        (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        tmp = self.root / "latest.tmp"
+        tmp.write_text(folder.name)
+        os.replace(tmp, self.root / "latest")
+        self._prune()
+        return folder
+
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.exists():
+            return None
+        folder = self.root / pointer.read_text().strip()
+        return folder if (folder / "trainer_state.json").exists() else None
+
+    @staticmethod
+    def load_state(folder: Path) -> dict:
+        return json.loads((Path(folder) / "trainer_state.json").read_text())
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.root.glob("step_*") if (p / "trainer_state.json").exists())
+        for old in complete[:-self.keep] if self.keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""The run's configuration: one dataclass per component, composed by Hydra (configs/) into `Config`.
+
+The dataclasses are registered as the schema of configs/config.yaml, so a misspelt or ill-typed key fails when
+Hydra composes the config, before anything starts, with a message that names the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+from environments.tasks import SHIPPED_TASKS
+from rollout.config import AgentConfig, CompactionConfig, EngineConfig
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"  # built-in name or an HF-format folder
+    critic: Optional[str] = None  # critic initialisation; default: the policy's backbone with a new value head
+    dtype: str = "float32"
+    chat_format: str = "chatml"  # chatml | glm
+    tool_format: str = "json"  # json | glm
+
+
+@dataclass
+class SandboxLimitsConfig:
+    timeout_s: float = 20.0
+    memory_mb: int = 1024
+    cpu_s: int = 60
+    max_processes: int = 64
+    max_file_mb: int = 16
+
+
+@dataclass
+class EnvConfig:
+    tasks: str = SHIPPED_TASKS  # JSONL / parquet file, saved dataset folder, or hub dataset name
+    train_split: str = "train"
+    eval_split: str = "heldout"
+    sandbox: str = "bwrap"  # bwrap | docker
+    reward: str = "pass_fraction"  # pass_fraction | binary
+    grade_timeout_s: float = 60.0
+    limits: SandboxLimitsConfig = field(default_factory=SandboxLimitsConfig)
+
+
+@dataclass
+class GuardConfig:
+    enabled: bool = True
+    rules: list[str] = field(default_factory=list)  # empty: every rule
+    dummy_mode: str = "environment_consistent"  # environment_consistent | explicit_notice
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "ppo"
+    gamma: float = 1.0
+    lam_critic: float = 1.0  # λ for value targets (decoupled GAE, §1.4.2)
+    lam_policy: float = 1.0  # λ for advantages, unless lam_alpha > 0
+    lam_alpha: float = 0.0  # > 0: length-adaptive λ_policy = 1 − 1/(α·ℓ)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 3.0  # 0: off
+    value_clip: float = 0.2  # 0: off
+    normalize_advantages: bool = True
+    kl_coef: float = 0.0  # KL to the reference in the reward
+    kl_loss_coef: float = 0.0  # KL to the reference in the loss
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    use_reference: bool = True  # keep a frozen reference to log (and optionally penalise) KL
+    entropy_coef: float = 0.0
+    tis_low: float = 0.5  # truncated importance weights π_old/μ, clamped to [tis_low, tis_high]
+    tis_high: float = 2.0
+    mask_low: float = 0.2  # tokens with π_old/μ outside [mask_low, mask_high] get no gradient
+    mask_high: float = 5.0
+    veto: float = 1e-4  # a segment with any π_old/μ below this is dropped
+    critic_warmup_steps: int = 0  # first steps train only the critic
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 4
+    episodes_per_step: int = 8
+    learning_rate: float = 1e-6
+    critic_learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    micro_batch_tokens: int = 4096
+    gradient_checkpointing: bool = False
+    eval_every: int = 0  # 0: only before the first and after the last step
+    eval_at_start: bool = True
+    eval_max_tasks: int = 0  # 0: the whole held-out split
+    save_every: int = 1
+    keep_checkpoints: int = 2
+    weight_sync_bucket_mb: int = 64
+    verify_weight_sync: bool = False  # compare every engine's weights with the trainer's after each sync
+    torch_threads: int = 0  # 0: every core
+    ray_address: Optional[str] = None  # None: start a local Ray
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    project: str = "agentic-rl"
+    plot: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_name: str = "coding_ppo"
+    output_dir: str = "outputs"
+    seed: int = 0
+    resume: bool = False
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+
+
+__all__ = ["Config", "ModelConfig", "EngineConfig", "EnvConfig", "SandboxLimitsConfig", "GuardConfig",
+           "AlgorithmConfig", "TrainerConfig", "AgentConfig", "CompactionConfig", "LoggingConfig",
+           "register_configs"]
+
+
+def validate(cfg: Config) -> None:
+    """Checks the schema cannot express (allowed values, consistency). Raises one error listing every problem,
+    each with its key, before anything is started."""
+    problems = []
+
+    def one_of(key: str, value, allowed) -> None:
+        if value not in allowed:
+            problems.append(f"{key}={value!r}: must be one of {list(allowed)}")
+
+    one_of("engine.type", cfg.engine.type, ["local"])
+    one_of("env.sandbox", cfg.env.sandbox, ["bwrap"])
+    one_of("env.reward", cfg.env.reward, ["pass_fraction", "binary"])
+    one_of("guard.dummy_mode", cfg.guard.dummy_mode, ["environment_consistent", "explicit_notice"])
+    one_of("algorithm.name", cfg.algorithm.name, ["ppo"])
+    one_of("algorithm.kl_estimator", cfg.algorithm.kl_estimator, ["k1", "k2", "k3"])
+    one_of("model.chat_format", cfg.model.chat_format, ["chatml", "glm"])
+    one_of("model.tool_format", cfg.model.tool_format, ["json", "glm"])
+    one_of("logging.wandb_mode", cfg.logging.wandb_mode, ["offline", "online", "disabled"])
+    one_of("trainer.zero_stage", cfg.trainer.zero_stage, [0, 1, 2, 3])
+    a = cfg.algorithm
+    if a.dual_clip and a.dual_clip <= 1:
+        problems.append(f"algorithm.dual_clip={a.dual_clip}: must be > 1 (or 0 to turn it off)")
+    if not (0 <= a.gamma <= 1 and 0 <= a.lam_critic <= 1 and 0 <= a.lam_policy <= 1):
+        problems.append("algorithm.gamma, lam_critic and lam_policy must lie in [0, 1]")
+    if a.tis_low > a.tis_high:
+        problems.append("algorithm.tis_low must be <= algorithm.tis_high")
+    for key in ("steps", "episodes_per_step", "micro_batch_tokens"):
+        if getattr(cfg.trainer, key) < 1:
+            problems.append(f"trainer.{key} must be >= 1")
+    if cfg.engine.num_workers < 1:
+        problems.append("engine.num_workers must be >= 1")
+    try:
+        cfg.agent.validate()
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))

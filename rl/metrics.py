@@ -1,0 +1,94 @@
+"""Run outputs: metrics.jsonl (one line per step), wandb (offline by default), curves as PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+CURVES = [
+    ("rollout/reward_mean", "eval/reward_mean"), ("rollout/pass_rate", "eval/pass_rate"),
+    ("actor/kl_ref", "actor/approx_kl"), ("critic/value_loss",), ("critic/explained_variance",),
+    ("actor/entropy",), ("actor/clipfrac", "critic/value_clipfrac"), ("rollout/episode_tokens_mean",),
+    ("rollout/guard_blocks", "rollout/compactions"), ("perf/step_s", "perf/rollout_s", "perf/train_s"),
+]
+
+
+def _clean(value):
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    return value
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, wandb_mode: str = "offline", project: str = "agentic-rl",
+                 run_name: str = "run", config: dict | None = None, resume_step: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():  # forget steps logged after the checkpoint
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) < resume_step]
+            self.path.write_text("".join(k + "\n" for k in kept))
+        self._wandb = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=wandb_mode,
+                                     config=config or {}, id=_run_id(run_dir), resume="allow")
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _run_id(run_dir: Path) -> str:
+    """A wandb id stable across restarts of the same run directory."""
+    path = Path(run_dir) / ".wandb_id"
+    if not path.exists():
+        import uuid
+
+        path.write_text(uuid.uuid4().hex[:16])
+    return path.read_text().strip()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(metrics_path: Path, out_png: Path, curves=CURVES) -> Path | None:
+    """One small panel per curve group; keys that never appear are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    panels = [[k for k in group if any(r.get(k) is not None for r in records)] for group in curves]
+    panels = [p for p in panels if p]
+    if not panels:
+        return None
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
+    for ax, keys in zip(axes.flat, panels):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=key)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return out_png

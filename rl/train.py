@@ -1,0 +1,178 @@
+"""`python -m rl.train +experiment=coding_ppo`: critic PPO on coding tasks, end to end.
+
+One step: rollout (agent episodes on the engines) → π_old / π_ref logprobs → critic values → chained GAE →
+critic update → actor update → weights to every engine. Metrics go to metrics.jsonl and wandb, checkpoints
+every `trainer.save_every` steps, `resume=true` continues from the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import hydra
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from environments import load_tasks, make_sandbox
+from models import resolve_model_path
+from rl.batch import add_advantages, boundary_value_drop, to_samples, trainable
+from rl.checkpoint import Checkpointer
+from rl.cluster import Workers, guard_metrics, push_weights, run_episodes, spawn, start_ray
+from rl.config import Config, register_configs, validate
+from rl.data import TaskSampler
+from rl.metrics import MetricsLogger, plot_curves
+from rl.stats import trajectory_metrics
+
+log = logging.getLogger("rl.train")
+
+
+def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) -> dict:
+    timer = Timer()
+    trajs = run_episodes(w, sampler.next(cfg.trainer.episodes_per_step), "train", cfg.seed + step, f"step {step + 1}")
+    metrics = {**trajectory_metrics(trajs, "rollout"), **guard_metrics(w), "perf/rollout_s": timer.lap()}
+    write_audit(audit, step + 1, trajs)
+    kept, dropped = trainable(trajs)
+    metrics.update({f"rollout/dropped_{k}": v for k, v in dropped.items()})
+    if not kept:
+        log.warning("step %d: no trainable trajectory (%s); no update", step + 1, dict(dropped))
+        return metrics
+    samples = to_samples(kept)
+    metrics["perf/rollout_tokens_per_s"] = sum(t.num_action_tokens for t in trajs) / metrics["perf/rollout_s"]
+    for key, values in ray.get(w.actor.compute_logprobs.remote(samples)).items():
+        for s, v in zip(samples, values):
+            s[key] = v
+    metrics["perf/logprobs_s"] = timer.lap()
+    for s, v in zip(samples, ray.get(w.critic.compute_values.remote(samples))):
+        s["values"] = v
+    metrics["perf/values_s"] = timer.lap()
+    metrics.update(add_advantages(samples, kept, cfg.algorithm))
+    drop = boundary_value_drop(samples)
+    if drop is not None:
+        metrics["critic/boundary_value_drop"] = drop
+    metrics["perf/gae_s"] = timer.lap()
+    metrics.update(ray.get(w.critic.train_step.remote(samples)))
+    if step >= cfg.algorithm.critic_warmup_steps:
+        metrics.update(ray.get(w.actor.train_step.remote(samples)))
+        metrics.update(push_weights(w, step + 1, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync))
+    metrics["perf/train_s"] = timer.lap()
+    metrics["perf/train_tokens"] = sum(len(s["token_ids"]) for s in samples)
+    return metrics
+
+
+def evaluate(cfg: Config, w: Workers, tasks, step: int) -> dict:
+    started = time.perf_counter()
+    trajs = run_episodes(w, tasks, "eval", 10_000 + step, "eval")
+    return {**trajectory_metrics(trajs, "eval"), "perf/eval_s": time.perf_counter() - started}
+
+
+def train(cfg: Config) -> dict:
+    validate(cfg)
+    make_sandbox(cfg.env.sandbox).close()  # a missing or broken sandbox fails now, not in every episode
+    run_dir = prepare_run_dir(cfg)
+    checkpoints = Checkpointer(run_dir, cfg.trainer.keep_checkpoints)
+    resume_from = checkpoints.latest() if cfg.resume else None
+    task_set = load_tasks(cfg.env.tasks)
+    for index, reason in task_set.skipped:
+        log.warning("task record %d skipped: %s", index, reason)
+    train_tasks, eval_tasks = task_set.split(cfg.env.train_split), task_set.split(cfg.env.eval_split)
+    if cfg.trainer.eval_max_tasks:
+        eval_tasks = eval_tasks[:cfg.trainer.eval_max_tasks]
+    sampler = TaskSampler(train_tasks, cfg.seed)
+    policy = str(resolve_model_path(cfg.model.name))
+    critic = str(resolve_model_path(cfg.model.critic or cfg.model.name))
+    log.info("run %s: %d train / %d held-out tasks, policy %s", run_dir, len(train_tasks), len(eval_tasks), policy)
+
+    start_ray(cfg)
+    w = spawn(cfg, policy, critic)
+    start = 0
+    if resume_from is not None:
+        state = Checkpointer.load_state(resume_from)
+        ray.get([w.actor.load.remote(str(resume_from / "actor")), w.critic.load.remote(str(resume_from / "critic"))])
+        sampler.load_state_dict(state["sampler"])
+        start = state["step"]
+        push_weights(w, start, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync)
+        log.info("resumed from %s at step %d", resume_from, start)
+    logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
+                           OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
+    final: dict = {}
+    with open(run_dir / "guard_audit.jsonl", "a") as audit:
+        if cfg.trainer.eval_at_start and start == 0 and eval_tasks:
+            final = evaluate(cfg, w, eval_tasks, 0)
+            logger.log(0, final)
+            log.info("step 0 | held-out pass@1 %.3f reward %.3f", final["eval/pass_rate"], final["eval/reward_mean"])
+        for step in range(start, cfg.trainer.steps):
+            timer = Timer()
+            metrics = train_step(cfg, w, sampler, step, audit)
+            last = step + 1 == cfg.trainer.steps
+            if eval_tasks and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
+                metrics.update(evaluate(cfg, w, eval_tasks, step + 1))
+            if last or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
+                timer.lap()
+                checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
+                                 lambda f: ray.get(w.critic.save.remote(f)),
+                                 {"step": step + 1, "sampler": sampler.state_dict(), "seed": cfg.seed})
+                metrics["perf/checkpoint_s"] = timer.lap()
+            metrics["perf/step_s"] = timer.total()
+            logger.log(step + 1, metrics)
+            final.update(metrics)
+            log.info(step_line(step + 1, metrics))
+    logger.close()
+    if cfg.logging.plot:
+        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    (run_dir / "summary.json").write_text(json.dumps(final, indent=1, default=str))
+    ray.shutdown()
+    return final
+
+
+class Timer:
+    def __init__(self):
+        self.start = self.mark = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        lap, self.mark = now - self.mark, now
+        return lap
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def step_line(step: int, m: dict) -> str:
+    parts = [f"step {step}", f"reward {m.get('rollout/reward_mean', 0):.3f}",
+             f"pass {m.get('rollout/pass_rate', 0):.2f}", f"blocks {m.get('rollout/guard_blocks', 0)}",
+             f"compactions {m.get('rollout/compactions', 0)}"]
+    if "eval/pass_rate" in m:
+        parts.append(f"held-out pass@1 {m['eval/pass_rate']:.3f}")
+    parts.append(f"{m.get('perf/step_s', 0):.0f}s")
+    return " | ".join(parts)
+
+
+def write_audit(audit, step: int, trajs) -> None:
+    for t in trajs:
+        for event in t.guard_events:
+            audit.write(json.dumps({"step": step, "task": t.task_id, "rollout_id": t.rollout_id, **event}) + "\n")
+    audit.flush()
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    if run_dir.exists() and not cfg.resume:  # a fresh run never overwrites an old one: move it aside
+        run_dir.rename(run_dir.with_name(f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return run_dir
+
+
+register_configs()
+
+
+@hydra.main(config_path="../configs", config_name="config", version_base=None)
+def main(dcfg: DictConfig) -> None:
+    train(OmegaConf.to_object(dcfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""The agent loop: one task attempt, multi-turn with tools, token in / token out, guarded, compacted.
+
+    render(system + task) → ids ─► engine.generate ─► parse tool calls ─► guard ─► sandbox (or dummy)
+          ▲                                                                           │
+          └──────────── observation tokens appended with loss mask 0 ◄───────────────┘
+
+Before each turn, if the prompt has reached context_window - reserve, the policy writes a summary and the
+context is rebuilt in a new segment (same rollout_id). At the end the workspace is graded in a fresh sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from antihack import Guard, GuardContext
+from environments import Observation, Task, ToolCall, collect_files, execute_tool, grade, make_sandbox
+from environments.grading import setup_workspace
+from rollout.chat import ChatFormat, Message
+from rollout.compaction import (SUMMARY_INSTRUCTION, atomic_steps, rebuilt_context,
+                                shrink_largest_observation)
+from rollout.config import AgentConfig
+from rollout.engine import Engine
+from rollout.ledger import TokenLedger
+from rollout.tool_parsers import ToolCallParser, last_python_block
+from rollout.types import SamplingParams, Trajectory
+
+_FILES_IN_PROMPT_CHARS = 3000  # starting files small enough are shown in the task message
+MIN_TURN_TOKENS = 16  # a turn with less room than this cannot say anything useful
+
+
+@dataclass
+class EpisodeRuntime:
+    """Everything an episode needs from the worker that runs it."""
+
+    engine: Engine
+    tokenizer: object
+    chat: ChatFormat
+    parser: ToolCallParser
+    guard: Guard
+    config: AgentConfig
+    sandbox_backend: str = "bwrap"
+    sandbox_limits: dict = field(default_factory=dict)
+    reward: str = "pass_fraction"
+    grade_timeout_s: float = 60.0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int], special: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=not special)
+
+
+def system_prompt(rt: EpisodeRuntime) -> str:
+    example = rt.parser.format_call(ToolCall("write_file", {"path": "hello.py", "content": "print('hello')\n"}))
+    text = ("You are a coding agent. You work in a sandboxed Linux machine; the task's project is in /workspace, "
+            "your current directory. There is no network.\n"
+            f"{rt.parser.instructions()}\nExample:\n{example}\n"
+            "Make one tool call per reply. When the task is done, call submit.")
+    if rt.config.code_block_answer:
+        text += ("\nYou may instead reply with your final solution as one ```python code block: it is saved to "
+                 "the task's main file and submitted.")
+    return text
+
+
+def task_message(task: Task) -> str:
+    """The statement, the starting source files when they are short, and where the visible tests are (their
+    text is left out: small models copy test code instead of solving the task)."""
+    text = f"Task: {task.statement}\n\nThe main file is {task.entry_file}."
+    if sum(len(f.content) for f in task.files) <= _FILES_IN_PROMPT_CHARS:
+        for f in task.files:
+            text += f"\n\n{f.path}:\n```python\n{f.content.rstrip()}\n```"
+    else:
+        text += "\nFiles: " + ", ".join(f.path for f in task.files)
+    if task.visible_tests:
+        text += "\n\nVisible tests: " + ", ".join(f.path for f in task.visible_tests) + " (run them with run_tests)."
+    return text
+
+
+class AgentEpisode:
+    def __init__(self, rt: EpisodeRuntime, task: Task, sampling: SamplingParams, rollout_id: str | None = None):
+        self.rt, self.task, self.cfg = rt, task, rt.config
+        stops = tuple(rt.chat.stop_token_ids(rt.tokenizer))
+        self.sampling = sampling.replace(stop_token_ids=tuple(sampling.stop_token_ids) + stops)
+        self.rollout_id = rollout_id or uuid.uuid4().hex[:12]
+        self.system = Message("system", system_prompt(rt))
+        self.task_msg = Message("user", task_message(task))
+        self.history: list[Message] = [self.system, self.task_msg]  # the current context, as messages
+        self.ledger = TokenLedger()
+        self.traj = Trajectory(self.rollout_id, task.id, [], domain=task.domain)
+        self.guard_ctx = GuardContext(task.id, task.statement, protected_paths=task.protected_paths)
+        self.sampled = 0  # tokens sampled over the whole episode
+        self.turns_in_context = 0  # turns since the start or the last compaction
+        self.timings = {"generate_s": 0.0, "tool_s": 0.0, "guard_s": 0.0, "grade_s": 0.0}
+
+    # ---- helpers --------------------------------------------------------------------------------------
+    async def _generate(self, ledger: TokenLedger, max_new: int):
+        started = time.perf_counter()
+        seed = None if self.sampling.seed is None else self.sampling.seed + self.traj.num_turns * 7919
+        result = await self.rt.engine.generate(ledger.ids, self.sampling.replace(max_new_tokens=max_new, seed=seed),
+                                               request_id=f"{self.rollout_id}-{self.traj.num_turns}")
+        self.timings["generate_s"] += time.perf_counter() - started
+        ledger.append_output(result.output_ids, result.output_logprobs, int(result.meta.get("weight_version", 0)))
+        self.sampled += len(result.output_ids)
+        return result
+
+    def _close_segment(self, ledger: TokenLedger, segment_type: str) -> None:
+        """Record the ledger as a segment (if it holds any sampled token) and empty it."""
+        if ledger.ids and any(ledger.mask):
+            self.traj.segments.append(ledger.to_segment(self.rollout_id, len(self.traj.segments), segment_type))
+        ledger.clear()
+
+    def _can_compact(self) -> bool:
+        comp = self.cfg.compaction
+        return comp.enabled and self.turns_in_context > 0 and self.traj.num_compactions < comp.max_compactions
+
+    def _prompt_len(self) -> int:
+        return len(self.ledger) + len(self.rt.encode(self.rt.chat.generation_prompt()))
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    async def run(self) -> Trajectory:
+        started = time.perf_counter()
+        try:
+            sandbox = await asyncio.to_thread(make_sandbox, self.rt.sandbox_backend, **self.rt.sandbox_limits)
+        except Exception as exc:  # no sandbox, no episode: report it, the run goes on
+            self.traj.finish_reason = "error"
+            self.traj.grade_details = {"error": f"sandbox start failed: {exc!r}"}
+            return self.traj
+        try:
+            await asyncio.to_thread(setup_workspace, sandbox.workspace, self.task.files + self.task.visible_tests,
+                                    getattr(sandbox, "uid", None))
+            self.ledger.append_context(self.rt.encode(self.rt.chat.render(self.history, add_generation_prompt=False)))
+            self.traj.finish_reason = await self._loop(sandbox)
+            self._close_segment(self.ledger, "final")
+            if self.traj.finish_reason != "aborted":
+                files = await asyncio.to_thread(collect_files, sandbox.workspace)
+                t0 = time.perf_counter()
+                result = await asyncio.to_thread(grade, self.task, files, self.rt.sandbox_backend, self.rt.reward,
+                                                 self.rt.grade_timeout_s, **self.rt.sandbox_limits)
+                self.timings["grade_s"] = time.perf_counter() - t0
+                self.traj.reward, self.traj.passed = result.reward, result.all_passed
+                self.traj.grade_details = {**result.details, **self.traj.grade_details}
+        except Exception as exc:
+            self.traj.finish_reason = "error"
+            self.traj.grade_details = {"error": repr(exc)}
+        finally:
+            await asyncio.to_thread(sandbox.close)
+        self.timings["episode_s"] = time.perf_counter() - started
+        self.traj.timings = self.timings
+        return self.traj
+
+    async def _loop(self, sandbox) -> str:
+        cfg, rt = self.cfg, self.rt
+        while True:
+            if self.traj.num_turns >= cfg.max_turns:
+                return "max_turns"
+            budget = cfg.max_episode_tokens - self.sampled
+            if budget <= 0:
+                return "max_tokens"
+            if self._prompt_len() >= cfg.context_window - cfg.compaction.reserve and self._can_compact():
+                if not await self._compact():
+                    return "context_exhausted"
+                continue
+            max_new = min(cfg.max_new_tokens, cfg.context_window - self._prompt_len(), budget)
+            if max_new < MIN_TURN_TOKENS:  # no compaction left (or nothing to compact) and the window is full
+                return "context_exhausted"
+            self.ledger.append_context(rt.encode(rt.chat.generation_prompt()))
+            result = await self._generate(self.ledger, max_new)
+            self.traj.num_turns += 1
+            self.turns_in_context += 1
+            if result.finish_reason == "abort":
+                return "aborted"
+            text = rt.decode(result.output_ids, special=False)
+            self.history.append(Message("assistant", text))
+            observations, submitted = await self._act(sandbox, text)
+            if submitted:
+                return "submitted"
+            raw_output = rt.decode(result.output_ids[-4:], special=True)
+            self.ledger.append_context(rt.encode(rt.chat.continuation(observations, raw_output)))
+            self.history += observations
+
+    async def _act(self, sandbox, text: str) -> tuple[list[Message], bool]:
+        """Run the tool calls of one reply; returns the observation messages and whether the agent submitted."""
+        parsed = self.rt.parser.parse(text)
+        calls = parsed.calls
+        if not calls and not parsed.errors and self.cfg.code_block_answer:
+            code = last_python_block(text)
+            if code is not None:
+                calls = [ToolCall("write_file", {"path": self.task.entry_file, "content": code}),
+                         ToolCall("submit", {})]
+        if parsed.errors:
+            self.traj.num_malformed_calls += len(parsed.errors)
+        if not calls:
+            hint = ("Error: " + "; ".join(parsed.errors)) if parsed.errors else (
+                "No tool call found. Call a tool to act, or submit when you are done.")
+            return [Message("tool", hint)], False
+        observations, submitted = [], False
+        for call in calls:
+            obs = await self._call(sandbox, call)
+            observations.append(Message("tool", obs.text))
+            if obs.submitted:
+                submitted = True
+                break
+        for error in parsed.errors:
+            observations.append(Message("tool", f"Error: {error}"))
+        return observations, submitted
+
+    async def _call(self, sandbox, call: ToolCall) -> Observation:
+        self.traj.num_tool_calls += 1
+        self.guard_ctx.turn = self.traj.num_turns
+        verdict = self.rt.guard.check(call, self.guard_ctx)
+        self.timings["guard_s"] += verdict.latency
+        if verdict.flagged:
+            self.traj.num_guard_flags += 1
+        event = {"turn": self.traj.num_turns, "segment": len(self.traj.segments), "call": call.describe(),
+                 "rules": verdict.rule_ids, "action": verdict.action, "stage": verdict.stage,
+                 "reason": verdict.reason, "latency_ms": round(1000 * verdict.latency, 3)}
+        if verdict.action == "block":
+            self.traj.num_guard_blocks += 1
+            dummy = self.rt.guard.dummy_observation(call, verdict)
+            event["observation"] = dummy.text
+            self.traj.guard_events.append(event)
+            if self.cfg.train_blocked_tokens == "mask":
+                self.ledger.mask_last_output()
+            return Observation(dummy.text, dummy.exit_code)
+        if verdict.flagged:
+            self.traj.guard_events.append(event)
+        started = time.perf_counter()
+        try:
+            obs = await asyncio.to_thread(execute_tool, call, sandbox, self.task, self.cfg.tool_timeout_s,
+                                          self.cfg.observation_max_chars)
+        except Exception as exc:  # a crashing sandbox call is an observation, not a lost episode
+            obs = Observation(f"Error: the sandbox failed to run this call ({type(exc).__name__}: {exc})", 1)
+        self.timings["tool_s"] += time.perf_counter() - started
+        return obs
+
+    # ---- compaction -----------------------------------------------------------------------------------
+    async def _compact(self) -> bool:
+        cfg, rt, comp = self.cfg, self.rt, self.cfg.compaction
+        instruction = Message("user", SUMMARY_INSTRUCTION.format(budget=comp.summary_max_tokens))
+        request = rt.encode(rt.chat.render_message(instruction) + rt.chat.generation_prompt())
+        if len(self.ledger) + len(request) + comp.summary_max_tokens <= cfg.context_window:
+            # The summary continues the live segment, which then closes with it.
+            self.ledger.append_context(request)
+            result = await self._generate(self.ledger, comp.summary_max_tokens)
+            self._close_segment(self.ledger, "summary_closed")
+        else:
+            # Too full to ask in place: close the live segment, and sample the note from a copy of the history
+            # with the largest observations shortened, recorded as its own segment (exact token provenance).
+            self._close_segment(self.ledger, "compacted")
+            temp = list(self.history) + [instruction]
+            while len(rt.encode(rt.chat.render(temp))) + comp.summary_max_tokens > cfg.context_window:
+                if not shrink_largest_observation(temp):
+                    return False
+            summary_ledger = TokenLedger()
+            summary_ledger.append_context(rt.encode(rt.chat.render(temp)))
+            result = await self._generate(summary_ledger, comp.summary_max_tokens)
+            self._close_segment(summary_ledger, "summary_closed")
+        if result.finish_reason == "abort":
+            return False
+        summary = rt.decode(result.output_ids, special=False)
+        steps = atomic_steps(self.history[1:])
+        limit = cfg.context_window - comp.reserve
+        for keep in range(min(comp.keep_recent_steps, len(steps)), -1, -1):
+            recent = steps[len(steps) - keep:] if keep else []
+            messages = rebuilt_context(self.system, self.task_msg if comp.include_task else None, summary, recent)
+            ids = rt.encode(rt.chat.render(messages, add_generation_prompt=False))
+            if len(ids) + len(rt.encode(rt.chat.generation_prompt())) < limit:
+                self.ledger = TokenLedger()
+                self.ledger.append_context(ids)
+                self.history = messages
+                self.traj.num_compactions += 1
+                self.turns_in_context = 0
+                self.traj.grade_details.setdefault("compaction_kept_steps", []).append(keep)
+                return True
+        return False

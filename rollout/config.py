@@ -1,0 +1,63 @@
+"""Configuration of the rollout side: the engine, the agent loop and compaction (one dataclass each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUMMARY_INSTRUCTION_TOKENS = 256  # upper bound of the summary instruction message, tokenised
+
+
+@dataclass
+class EngineConfig:
+    type: str = "local"  # local | sglang
+    num_workers: int = 1  # Ray rollout workers, each with its own engine replica
+    max_batch_size: int = 32  # LocalEngine: requests decoded together
+    dtype: str = "float32"
+    torch_threads: int = 0  # 0: all cores of the worker
+    max_concurrent_episodes: int = 32  # per worker
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eval_temperature: float = 0.0  # held-out evaluation: greedy by default (pass@1)
+
+
+@dataclass
+class CompactionConfig:
+    """ALGORITHMS.md §2: compact before a turn when the prompt reaches context_window - reserve."""
+
+    enabled: bool = True
+    reserve: int = 768  # Δ: must cover one turn, or one summary plus its instruction
+    summary_max_tokens: int = 256
+    max_compactions: int = 2
+    keep_recent_steps: int = 2  # atomic steps copied verbatim (fallback 1, then 0)
+    include_task: bool = True
+
+
+@dataclass
+class AgentConfig:
+    context_window: int = 2048  # C: prompt + generation of one request
+    max_turns: int = 8
+    max_new_tokens: int = 256  # per turn
+    max_episode_tokens: int = 2048  # sampled tokens over the whole episode (all segments)
+    tool_timeout_s: float = 20.0
+    observation_max_chars: int = 2000
+    # A reply without a tool call but with a ```python block is taken as the final answer: written to the task's
+    # entry file and submitted. Small policies write code blocks long before they learn tool syntax.
+    code_block_answer: bool = True
+    train_blocked_tokens: str = "keep"  # keep | mask: loss mask of a turn whose call the guard blocked
+    compaction: CompactionConfig = field(default_factory=CompactionConfig)
+
+    def validate(self) -> None:
+        c = self.compaction
+        need = max(self.max_new_tokens, c.summary_max_tokens + SUMMARY_INSTRUCTION_TOKENS)
+        if c.enabled and c.reserve < need:
+            raise ValueError(f"agent.compaction.reserve ({c.reserve}) must cover one turn "
+                             f"(max_new_tokens={self.max_new_tokens}) and one summary (summary_max_tokens="
+                             f"{c.summary_max_tokens} + {SUMMARY_INSTRUCTION_TOKENS} for its instruction): >= {need}")
+        if self.context_window <= c.reserve + 128:
+            raise ValueError(f"agent.context_window ({self.context_window}) leaves no room for a prompt "
+                             f"after the reserve ({c.reserve})")
+        if self.max_turns < 1 or self.max_new_tokens < 1:
+            raise ValueError("agent.max_turns and agent.max_new_tokens must be >= 1")
+        if self.train_blocked_tokens not in ("keep", "mask"):
+            raise ValueError(f"agent.train_blocked_tokens must be 'keep' or 'mask', got {self.train_blocked_tokens!r}")

@@ -1,0 +1,264 @@
+"""`LocalEngine`: the embedded, in-process torch inference engine (the default on machines without a GPU).
+
+Requests from many concurrent episodes are gathered into batches: a background thread takes whatever is
+queued (up to `max_batch_size`, after a short gathering window), left-pads the prompts, prefills once and
+decodes with a KV cache until every row has stopped. Each row keeps its own sampling parameters and seed.
+Weight updates wait for the running batch to end (the pause → update → resume protocol of DESIGN.md §3.7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from rollout.sampling import processed_logprobs, sample
+from rollout.types import GenerateResult, SamplingParams
+
+_STOP_WINDOW = 16  # tokens decoded to look for stop strings
+
+
+@dataclass
+class _Request:
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+class LocalEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch_size: int = 16,
+                 gather_window_s: float = 0.02, weight_version: int = 0):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.gather_window_s = gather_window_s
+        self.weight_version = weight_version
+        self.pad_id = (getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None) or 0
+        self._queue: deque[_Request] = deque()
+        self._cond = threading.Condition()
+        self._model_lock = threading.Lock()
+        self._paused = False
+        self._closed = False
+        self._aborted: set[str] = set()
+        self._ids = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(0)
+        # transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version takes.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "prompt_tokens": 0, "busy_s": 0.0}
+        self._thread = threading.Thread(target=self._serve, name="local-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, dtype: str = "float32", device: str = "cpu", **kwargs):
+        from models import load_model, load_tokenizer
+
+        return cls(load_model(name_or_path, "policy", dtype=dtype, device=device), load_tokenizer(name_or_path),
+                   **kwargs)
+
+    # ---- the Engine contract -------------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling: SamplingParams,
+                       request_id: str | None = None) -> GenerateResult:
+        if not input_ids:
+            raise ValueError("generate: empty input_ids")
+        loop = asyncio.get_running_loop()
+        request = _Request(request_id or f"req-{next(self._ids)}", list(input_ids), sampling,
+                           loop.create_future(), loop)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._queue.append(request)
+            self._cond.notify()
+        return await request.future
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | str | Path,
+                             version: int | None = None) -> None:
+        await asyncio.to_thread(self.load_weights, weights, version)
+
+    async def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+        await asyncio.to_thread(self._model_lock.acquire)  # wait for the running batch
+        self._model_lock.release()
+
+    async def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    async def abort(self, request_ids: list[str]) -> None:
+        with self._cond:
+            self._aborted.update(request_ids)
+            for request in [r for r in self._queue if r.request_id in self._aborted]:
+                self._queue.remove(request)
+                self._finish(request, GenerateResult([], [], "abort", {"weight_version": self.weight_version}))
+
+    async def health(self) -> dict:
+        return {"ok": self._thread.is_alive(), "weight_version": self.weight_version, "queued": len(self._queue),
+                **self.stats}
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int | None = None) -> None:
+        """Copy named tensors (or an HF-format folder's safetensors) into the model, between batches."""
+        if isinstance(weights, (str, Path)):
+            from safetensors.torch import load_file
+
+            files = sorted(Path(weights).glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors in {weights}")
+            named: dict[str, torch.Tensor] = {}
+            for f in files:
+                named.update(load_file(str(f)))
+            weights = named
+        with self._model_lock:
+            own = self.model.state_dict(keep_vars=True)
+            unknown = [k for k in weights if k not in own]
+            if unknown:
+                raise KeyError(f"update_weights: {len(unknown)} unknown tensor names, e.g. {unknown[:3]}")
+            with torch.no_grad():
+                for name, tensor in weights.items():
+                    target = own[name]
+                    if target.shape != tensor.shape:
+                        raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                         f"engine expects {tuple(target.shape)}")
+                    target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            if version is not None:
+                self.weight_version = version
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # ---- the serving thread --------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._paused or not self._queue):
+                    self._cond.wait()
+                if self._closed:
+                    pending = list(self._queue)
+                    self._queue.clear()
+                    break
+            time.sleep(self.gather_window_s)  # let concurrent episodes join this batch
+            with self._cond:
+                batch = [self._queue.popleft() for _ in range(min(self.max_batch_size, len(self._queue)))]
+            if not batch:
+                continue
+            with self._model_lock:
+                started = time.perf_counter()
+                try:
+                    results = self._run_batch(batch)
+                except Exception as exc:  # a failing batch must not hang its callers
+                    for request in batch:
+                        request.loop.call_soon_threadsafe(_set_exception, request.future, exc)
+                    continue
+                busy = time.perf_counter() - started
+            self.stats["batches"] += 1
+            self.stats["busy_s"] += busy
+            for request, result in zip(batch, results):
+                result.meta["batch_size"] = len(batch)
+                result.meta["queue_s"] = started - request.queued_at
+                result.meta["batch_s"] = busy
+                self._finish(request, result)
+        for request in pending:
+            self._finish(request, GenerateResult([], [], "abort", {"weight_version": self.weight_version}))
+
+    def _finish(self, request: _Request, result: GenerateResult) -> None:
+        self._aborted.discard(request.request_id)
+        request.loop.call_soon_threadsafe(_set_result, request.future, result)
+
+    @torch.inference_mode()
+    def _run_batch(self, batch: list[_Request]) -> list[GenerateResult]:
+        from transformers import DynamicCache
+
+        n = len(batch)
+        lengths = [len(r.input_ids) for r in batch]
+        width = max(lengths)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding: every row's next token lands in the last column
+            ids[i, width - lengths[i]:] = torch.tensor(r.input_ids)
+            mask[i, width - lengths[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+        sp = [r.sampling for r in batch]
+        temperature = torch.tensor([s.temperature for s in sp], dtype=torch.float32, device=self.device)
+        top_p = torch.tensor([s.top_p for s in sp], dtype=torch.float32, device=self.device)
+        top_k = torch.tensor([s.top_k for s in sp], dtype=torch.long, device=self.device)
+        greedy = temperature <= 0
+        generators = []
+        for s in sp:
+            seed = s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            generators.append(torch.Generator(device=self.device).manual_seed(seed))
+        max_new = [max(0, s.max_new_tokens) for s in sp]
+        stop_ids = [set(s.stop_token_ids) for s in sp]
+
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        out_lp: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str | None] = ["length" if m == 0 else None for m in max_new]
+        cache = {self._cache_kwarg: DynamicCache()}
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            logits_to_keep=1, **cache).logits[:, -1].float()
+        next_pos = positions[:, -1:] + 1
+        steps = 0
+        while any(f is None for f in finish):
+            logp = processed_logprobs(logits, temperature, top_k, top_p)
+            tokens, token_lp = sample(logp, greedy, generators)
+            steps += 1
+            for i in range(n):
+                if finish[i] is not None:
+                    continue
+                if batch[i].request_id in self._aborted:
+                    finish[i] = "abort"
+                    continue
+                tok = int(tokens[i])
+                out_ids[i].append(tok)
+                out_lp[i].append(float(token_lp[i]))
+                if tok in stop_ids[i] or self._hit_stop_string(out_ids[i], sp[i].stop_strings):
+                    finish[i] = "stop"
+                elif len(out_ids[i]) >= max_new[i]:
+                    finish[i] = "length"
+            if all(f is not None for f in finish):
+                break
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=mask.device)], dim=1)
+            logits = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                                use_cache=True, **cache).logits[:, -1].float()
+            next_pos = next_pos + 1
+        self.stats["requests"] += n
+        self.stats["prompt_tokens"] += sum(lengths)
+        self.stats["generated_tokens"] += sum(len(o) for o in out_ids)
+        return [GenerateResult(out_ids[i], out_lp[i], finish[i] or "length",
+                               {"request_id": batch[i].request_id, "weight_version": self.weight_version,
+                                "prompt_tokens": lengths[i], "completion_tokens": len(out_ids[i])})
+                for i in range(n)]
+
+    def _hit_stop_string(self, ids: list[int], stop_strings: tuple[str, ...]) -> bool:
+        if not stop_strings or self.tokenizer is None:
+            return False
+        tail = self.tokenizer.decode(ids[-_STOP_WINDOW:], skip_special_tokens=False)
+        return any(s in tail for s in stop_strings)
+
+
+def _set_result(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,47 @@
+"""Token sampling with the log-probability of the sampled token under the distribution actually sampled from.
+
+For temperature T, top-k K and top-p P the behaviour distribution μ is softmax(logits / T) restricted to the
+top-k tokens and then to the smallest prefix (by probability) whose mass reaches P, renormalised. The trainer
+recomputes π(x) as softmax(logits / T) over the full vocabulary, so with K = 0 and P = 1 (the defaults) the
+two coincide exactly; with truncation the importance correction of ALGORITHMS.md §1.11 sees the difference.
+Greedy decoding (T = 0) reports log softmax(logits) of the chosen token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """Row-wise log μ over the vocabulary. logits [B, V] (fp32); temperature, top_p [B] float; top_k [B] long."""
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / t.unsqueeze(-1)
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab) & ~greedy, top_k, torch.full_like(top_k, vocab))
+    top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
+    needs_trunc = (k < vocab) | (top_p < 1.0)
+    if bool(needs_trunc.any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        drop = ranks >= k.unsqueeze(-1)
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(-1) - probs  # mass of strictly better tokens
+        drop |= mass_before >= top_p.unsqueeze(-1)
+        drop[:, 0] = False  # the best token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def sample(logprobs: torch.Tensor, greedy: torch.Tensor, generators: list[torch.Generator | None]):
+    """Draw one token per row from exp(logprobs); returns (tokens [B], their logprobs [B])."""
+    tokens = torch.empty(logprobs.shape[0], dtype=torch.long, device=logprobs.device)
+    probs = logprobs.exp()
+    for i, gen in enumerate(generators):
+        if bool(greedy[i]):
+            tokens[i] = int(logprobs[i].argmax())
+        else:
+            tokens[i] = int(torch.multinomial(probs[i], 1, generator=gen))
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

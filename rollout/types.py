@@ -1,0 +1,86 @@
+"""Data that crosses process boundaries during rollout: sampling parameters, engine results, segments and
+trajectories (DESIGN.md §3.4)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def replace(self, **changes) -> "SamplingParams":
+        return SamplingParams(**{**asdict(self), **changes})
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    output_logprobs: list[float]  # log μ(token), μ = the distribution actually sampled from
+    finish_reason: str  # "stop" | "length" | "abort"
+    meta: dict[str, Any] = field(default_factory=dict)  # weight_version, request id, timings, replay data
+
+
+SEGMENT_TYPES = ("final", "summary_closed")
+
+
+@dataclass
+class Segment:
+    """One trainable sub-trace. `loss_mask` is 1 exactly on tokens the policy sampled in this segment."""
+
+    rollout_id: str
+    segment_index: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]  # aligned with token_ids; 0 where loss_mask == 0
+    segment_type: str = "final"
+    weight_versions: list[int] = field(default_factory=list)  # engine weight version of each generation call
+    replay: dict[str, Any] | None = None  # routed experts / indexer top-k when the engine returns them
+
+    def __post_init__(self):
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: token_ids ({n}), loss_mask "
+                             f"({len(self.loss_mask)}) and rollout_logprobs ({len(self.rollout_logprobs)}) differ")
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class Trajectory:
+    """One task attempt: ordered segments sharing `rollout_id`, the graded reward and what happened."""
+
+    rollout_id: str
+    task_id: str
+    segments: list[Segment]
+    reward: float = 0.0
+    passed: bool = False
+    finish_reason: str = ""  # submitted | max_turns | max_tokens | context_exhausted | error
+    domain: str = ""
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    num_malformed_calls: int = 0
+    num_guard_flags: int = 0
+    num_guard_blocks: int = 0
+    num_compactions: int = 0
+    grade_details: dict[str, Any] = field(default_factory=dict)
+    guard_events: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(s.num_action_tokens for s in self.segments)

@@ -1,0 +1,82 @@
+"""Ray rollout worker: an engine replica, a guard, and concurrent agent episodes on it.
+
+The driver submits one `run_episode` call per task; the worker is an async Ray actor, so calls overlap and the
+LocalEngine batches their generation requests. Weights arrive in buckets from the trainer between steps.
+"""
+
+from __future__ import annotations
+
+import os
+import torch
+
+from antihack import Guard
+from environments import TOOL_SPECS, Task
+from rollout.agent import AgentEpisode, EpisodeRuntime
+from rollout.chat import make_chat_format
+from rollout.config import AgentConfig, EngineConfig
+from rollout.local_engine import LocalEngine
+from rollout.tool_parsers import make_tool_parser
+from rollout.types import SamplingParams, Trajectory
+
+
+class RolloutWorker:
+    def __init__(self, model_path: str, engine: EngineConfig, agent: AgentConfig, guard: Guard,
+                 chat_format: str = "chatml", tool_format: str = "json", sandbox_backend: str = "bwrap",
+                 sandbox_limits: dict | None = None, reward: str = "pass_fraction", grade_timeout_s: float = 60.0,
+                 worker_index: int = 0):
+        # Ray sets OMP_NUM_THREADS=1 in workers without CPUs reserved: choose the thread count ourselves.
+        torch.set_num_threads(engine.torch_threads or os.cpu_count() or 1)
+        if engine.type != "local":
+            raise ValueError(f"engine.type={engine.type!r} is not available yet; use 'local'")
+        agent.validate()
+        self.index = worker_index
+        self.engine_cfg = engine
+        self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, max_batch_size=engine.max_batch_size)
+        self.runtime = EpisodeRuntime(
+            engine=self.engine, tokenizer=self.engine.tokenizer, chat=make_chat_format(chat_format),
+            parser=make_tool_parser(tool_format, TOOL_SPECS), guard=guard, config=agent,
+            sandbox_backend=sandbox_backend, sandbox_limits=dict(sandbox_limits or {}), reward=reward,
+            grade_timeout_s=grade_timeout_s)
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def sampling(self, mode: str, seed: int | None) -> SamplingParams:
+        e = self.engine_cfg
+        temperature = e.eval_temperature if mode == "eval" else e.temperature
+        return SamplingParams(temperature=temperature, top_p=e.top_p, top_k=e.top_k, seed=seed)
+
+    async def run_episode(self, task: Task, mode: str = "train", seed: int | None = None,
+                          rollout_id: str | None = None) -> Trajectory:
+        return await AgentEpisode(self.runtime, task, self.sampling(mode, seed), rollout_id).run()
+
+    # ---- weight sync (receiving side) -----------------------------------------------------------------
+    async def receive_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+        """Stage one bucket; applied all at once by `commit_weights` so no request sees half an update."""
+        self._pending.update(bucket)
+        return sum(t.numel() * t.element_size() for t in bucket.values())
+
+    async def commit_weights(self, version: int) -> dict:
+        await self.engine.pause()
+        try:
+            await self.engine.update_weights(self._pending, version)
+        finally:
+            self._pending = {}
+            await self.engine.resume()
+        return {"worker": self.index, "weight_version": self.engine.weight_version}
+
+    async def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's current parameters (for verifying a sync)."""
+        return {k: v.detach().clone() for k, v in self.engine.model.named_parameters()}
+
+    async def guard_metrics(self, reset: bool = True) -> dict:
+        stats = self.runtime.guard.stats
+        out = stats.as_metrics()
+        if reset:
+            self.runtime.guard.stats = type(stats)()
+        return out
+
+    async def health(self) -> dict:
+        return {"worker": self.index, "pid": os.getpid(), **(await self.engine.health())}
+
+    def shutdown(self) -> None:
+        self.engine.close()
+

@@ -1,0 +1,94 @@
+import json
+
+import pytest
+
+from environments import Task, TaskFile, grade, load_tasks
+from environments.grading import expected_tests, parse_junit
+
+
+def files_of(task: Task, solved: bool) -> dict[str, str]:
+    files = {f.path: f.content for f in task.files}
+    if solved:
+        files.update({f.path: f.content for f in task.reference_solution})
+    return files
+
+
+def test_shipped_set_shape(shipped_tasks):
+    tasks = shipped_tasks.tasks
+    assert len(tasks) >= 40 and shipped_tasks.skipped == []
+    assert len(shipped_tasks.split("heldout")) >= 10
+    assert {t.domain for t in tasks} >= {"function", "bugfix"}
+    assert {t.difficulty for t in tasks} == {1, 2, 3}
+    assert all(t.hidden_tests and t.reference_solution for t in tasks)
+
+
+def test_every_reference_solution_grades_full_and_every_start_does_not(shipped_tasks):
+    for task in shipped_tasks.tasks:
+        solved = grade(task, files_of(task, True))
+        assert solved.reward == 1.0 and solved.all_passed, (task.id, solved.details)
+        start = grade(task, files_of(task, False))
+        assert not start.all_passed, task.id
+
+
+def test_bad_records_are_reported_and_skipped(tmp_path, shipped_tasks):
+    good = json.loads(open(shipped_tasks_path()).readline())
+    lines = [json.dumps(good), "{not json", json.dumps({"id": "x"}),
+             json.dumps({**good, "id": "no_hidden", "hidden_tests": []}),
+             json.dumps({**good, "id": "escape", "files": [{"path": "../etc/x", "content": ""}]}),
+             json.dumps(good)]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    result = load_tasks(str(path))
+    assert [t.id for t in result.tasks] == [good["id"]]
+    reasons = dict(result.skipped)
+    assert set(reasons) == {1, 2, 3, 4, 5}
+    assert "invalid JSON" in reasons[1] and "statement" in reasons[2] and "hidden_tests" in reasons[3]
+    assert "leaves the workspace" in reasons[4] and "duplicate" in reasons[5]
+
+
+def shipped_tasks_path():
+    from environments import SHIPPED_TASKS
+
+    return SHIPPED_TASKS
+
+
+def test_official_tests_are_reapplied_and_missing_tests_fail(task_by_id):
+    task = task_by_id["add_two_numbers"]
+    # The agent rewrites the hidden test file to something trivially true: grading uses the official one.
+    files = files_of(task, False)
+    files["tests/test_hidden.py"] = "def test_add_small_numbers():\n    assert True\n"
+    assert grade(task, files).reward == 0.0
+    # Library code that exits 0 at import: tests never run, every expected test counts as failed.
+    files = files_of(task, True)
+    files["solution.py"] = "import os\nos._exit(0)\n"
+    result = grade(task, files)
+    assert result.reward == 0.0 and set(result.details["outcomes"].values()) == {"missing"}
+    # Library code that skips the tests: skipped is not passed.
+    files["solution.py"] = "import pytest\npytest.skip('no', allow_module_level=True)\n"
+    assert grade(task, files).reward == 0.0
+
+
+def test_partial_credit_and_binary(task_by_id):
+    task = task_by_id["add_two_numbers"]
+    files = files_of(task, False)
+    files["solution.py"] = "def add(a, b):\n    return int(a) + int(b)\n"  # floats fail
+    frac = grade(task, files)
+    assert 0 < frac.reward < 1 and frac.passed + frac.failed == len(expected_tests(task.hidden_tests))
+    assert grade(task, files, reward="binary").reward == 0.0
+
+
+def test_parse_junit():
+    xml = """<testsuites><testsuite>
+      <testcase classname="tests.test_a" name="test_ok"/>
+      <testcase classname="tests.test_a" name="test_bad"><failure message="x"/></testcase>
+      <testcase classname="tests.test_a.TestK" name="test_m"/>
+      <testcase classname="tests.test_a" name="test_p[1]"/>
+      <testcase classname="tests.test_a" name="test_p[2]"><error message="y"/></testcase>
+      <testcase classname="tests.test_a" name="test_s"><skipped/></testcase>
+    </testsuite></testsuites>"""
+    assert parse_junit(xml) == {"tests/test_a.py::test_ok": "passed", "tests/test_a.py::test_bad": "failed",
+                                "tests/test_a.py::TestK::test_m": "passed", "tests/test_a.py::test_p": "failed",
+                                "tests/test_a.py::test_s": "skipped"}
+    src = TaskFile("tests/t.py", "def test_a():\n    pass\nclass TestB:\n    def test_c(self):\n        pass\n"
+                                 "def helper():\n    pass\n")
+    assert expected_tests([src]) == ["tests/t.py::test_a", "tests/t.py::TestB::test_c"]

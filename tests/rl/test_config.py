@@ -1,0 +1,61 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from rl.config import Config, register_configs
+
+CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
+
+
+def composed(*overrides) -> Config:
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize("experiment", ["coding_ppo", "coding_ppo_tiny"])
+def test_experiments_compose(experiment):
+    cfg = composed(f"+experiment={experiment}")
+    assert isinstance(cfg, Config) and cfg.run_name == experiment
+    cfg.agent.validate()
+
+
+def test_overrides_are_typed():
+    cfg = composed("+experiment=coding_ppo", "trainer.learning_rate=3e-6", "agent.compaction.max_compactions=5")
+    assert cfg.trainer.learning_rate == 3e-6 and cfg.agent.compaction.max_compactions == 5
+
+
+@pytest.mark.parametrize("override,key", [("trainer.lerning_rate=1", "lerning_rate"),
+                                          ("trainer.steps=many", "steps"),
+                                          ("agent.compaction.resrve=3", "resrve")])
+def test_bad_keys_fail_naming_the_key(override, key):
+    with pytest.raises(ConfigCompositionException) as err:
+        composed("+experiment=coding_ppo", override)
+    assert key in str(err.value) + str(err.value.__cause__)
+
+
+def test_cli_fails_fast_on_a_typo():
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "rl.train", "+experiment=coding_ppo", "trainer.lerning_rate=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "lerning_rate" in proc.stderr + proc.stdout
+    assert time.perf_counter() - started < 120
+
+
+def test_semantic_validation():
+    from rl.config import validate
+
+    validate(composed("+experiment=coding_ppo"))
+    cfg = composed("+experiment=coding_ppo", "agent.compaction.reserve=10", "algorithm.kl_estimator=k7",
+                   "algorithm.dual_clip=0.5", "env.reward=vibes")
+    with pytest.raises(ValueError) as err:
+        validate(cfg)
+    for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward"):
+        assert key in str(err.value)

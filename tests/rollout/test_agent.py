@@ -1,0 +1,147 @@
+"""The agent loop against a scripted engine (replies fixed in advance) and, once, against the real LocalEngine."""
+
+import asyncio
+import json
+
+import pytest
+
+from antihack import Guard
+from environments import TOOL_SPECS
+from rollout.agent import AgentEpisode, EpisodeRuntime
+from rollout.chat import make_chat_format
+from rollout.compaction import RESUME_PREAMBLE
+from rollout.config import AgentConfig, CompactionConfig
+from rollout.tool_parsers import make_tool_parser
+from rollout.types import GenerateResult, SamplingParams
+
+SOLUTION = "def add(a, b):\n    return a + b\n"
+
+
+def call(name, **arguments):
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+class ScriptedEngine:
+    """Replies with the given texts in order (each closed by <|im_end|>), logprob -0.25 per token."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.weight_version = tokenizer, list(replies), 3
+        self.prompts = []
+
+    async def generate(self, input_ids, sampling, request_id=None):
+        self.prompts.append(list(input_ids))
+        text = self.replies.pop(0) if self.replies else "I have nothing more to say."
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][:sampling.max_new_tokens - 1]
+        ids.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        return GenerateResult(ids, [-0.25] * len(ids), "stop", {"weight_version": self.weight_version})
+
+
+def episode(tokenizer, task, replies, **agent):
+    cfg = AgentConfig(**{"context_window": 4096, "max_turns": 6, "max_new_tokens": 200,
+                         "max_episode_tokens": 4000, **agent})
+    cfg.validate()
+    engine = ScriptedEngine(tokenizer, replies)
+    rt = EpisodeRuntime(engine, tokenizer, make_chat_format("chatml"), make_tool_parser("json", TOOL_SPECS),
+                        Guard(), cfg)
+    traj = asyncio.run(AgentEpisode(rt, task, SamplingParams(), "rid-1").run())
+    return traj, engine
+
+
+def text_of(tokenizer, seg, mask_value=None):
+    ids = [t for t, m in zip(seg.token_ids, seg.loss_mask) if mask_value is None or m == mask_value]
+    return tokenizer.decode(ids)
+
+
+def test_tools_run_in_the_sandbox_and_the_work_is_graded(tokenizer, task_by_id):
+    task = task_by_id["add_two_numbers"]
+    traj, engine = episode(tokenizer, task, [
+        call("write_file", path="solution.py", content=SOLUTION), call("run_tests"),
+        call("bash", command="cat solution.py"), call("submit")])
+    assert traj.finish_reason == "submitted" and traj.reward == 1.0 and traj.passed
+    assert traj.num_turns == 4 and traj.num_tool_calls == 4 and len(traj.segments) == 1
+    seg = traj.segments[0]
+    observed = text_of(tokenizer, seg, 0)
+    assert "Wrote 32 bytes to solution.py" in observed and "1 passed" in observed and "return a + b" in observed
+    # exactly the sampled tokens are trainable, with their behaviour logprobs; everything else is masked
+    sampled = [lp for lp, m in zip(seg.rollout_logprobs, seg.loss_mask) if m]
+    assert sampled == [-0.25] * len(sampled) and sum(seg.loss_mask) == len(sampled)
+    assert all(lp == 0.0 for lp, m in zip(seg.rollout_logprobs, seg.loss_mask) if not m)
+    assert seg.weight_versions == [3, 3, 3, 3]
+    # token in / token out: every prompt the engine saw is a prefix of the final ledger
+    assert all(seg.token_ids[:len(p)] == p for p in engine.prompts)
+
+
+def test_malformed_calls_get_error_observations(tokenizer, task_by_id):
+    traj, _ = episode(tokenizer, task_by_id["add_two_numbers"], [
+        '<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>',
+        call("no_such_tool"), call("write_file", path="x.py"), "Just talking.", call("submit")])
+    assert traj.finish_reason == "submitted" and traj.num_malformed_calls == 1
+    observed = text_of(tokenizer, traj.segments[0], 0)
+    assert "invalid JSON" in observed and "unknown tool 'no_such_tool'" in observed
+    assert "missing argument(s) content" in observed and "No tool call found" in observed
+
+
+def test_blocked_call_is_not_executed(tokenizer, task_by_id):
+    traj, _ = episode(tokenizer, task_by_id["add_two_numbers"], [
+        call("bash", command="rm tests/test_visible.py"), call("bash", command="ls tests"), call("submit")])
+    assert traj.num_guard_blocks == 1 and traj.guard_events[0]["rules"] == ["test-file-modify"]
+    observed = text_of(tokenizer, traj.segments[0], 0)
+    assert "Permission denied" in observed and "test_visible.py" in observed.split("Permission denied")[1]
+
+
+def test_blocked_turn_can_be_masked(tokenizer, task_by_id):
+    traj, _ = episode(tokenizer, task_by_id["add_two_numbers"], [
+        call("bash", command="rm tests/test_visible.py"), call("submit")], train_blocked_tokens="mask")
+    trained = text_of(tokenizer, traj.segments[0], 1)
+    assert "rm tests" not in trained and "submit" in trained
+
+
+def test_code_block_answer(tokenizer, task_by_id):
+    traj, _ = episode(tokenizer, task_by_id["add_two_numbers"], [f"Here:\n```python\n{SOLUTION}```"])
+    assert traj.finish_reason == "submitted" and traj.reward == 1.0 and traj.num_turns == 1
+    traj, _ = episode(tokenizer, task_by_id["add_two_numbers"], [f"```python\n{SOLUTION}```"],
+                      code_block_answer=False, max_turns=2)
+    assert traj.finish_reason == "max_turns" and traj.reward == 0.0
+
+
+def test_budgets(tokenizer, task_by_id):
+    traj, _ = episode(tokenizer, task_by_id["add_two_numbers"], ["hmm"] * 10, max_turns=3)
+    assert traj.finish_reason == "max_turns" and traj.num_turns == 3
+    traj, _ = episode(tokenizer, task_by_id["add_two_numbers"], ["word " * 150] * 10, max_episode_tokens=250)
+    assert traj.finish_reason == "max_tokens" and traj.num_action_tokens <= 250 + 1
+
+
+def test_compaction_splits_the_trajectory(tokenizer, task_by_id):
+    task = task_by_id["add_two_numbers"]
+    long_note = "step " * 60
+    summary = "NOTE: write add in solution.py, then submit."
+    replies = [call("bash", command=f"echo '{long_note}'"), call("bash", command=f"echo '{long_note}'"),
+               summary, call("write_file", path="solution.py", content=SOLUTION), call("submit")]
+    traj, engine = episode(tokenizer, task, replies, context_window=1100, max_new_tokens=150,
+                           compaction=CompactionConfig(reserve=450, summary_max_tokens=120, max_compactions=1,
+                                                       keep_recent_steps=1))
+    assert traj.num_compactions == 1 and traj.finish_reason == "submitted" and traj.reward == 1.0
+    first, second = traj.segments
+    assert (first.segment_type, second.segment_type) == ("summary_closed", "final")
+    assert first.rollout_id == second.rollout_id == "rid-1" and (first.segment_index, second.segment_index) == (0, 1)
+    assert text_of(tokenizer, first, 1).removesuffix("<|im_end|>").endswith(summary)  # the summary is trained
+    prompt = tokenizer.decode(second.token_ids[:second.loss_mask.index(1)])
+    assert RESUME_PREAMBLE.strip()[:40] in prompt and summary in prompt  # copied note: context, mask 0
+    assert "Task: " in prompt and "echo" in prompt  # task kept verbatim, last step kept
+    assert summary not in text_of(tokenizer, second, 1)
+
+
+def test_episode_on_the_real_engine(tiny_path, tokenizer, task_by_id):
+    from rollout.local_engine import LocalEngine
+
+    engine = LocalEngine.from_pretrained(tiny_path)
+    try:
+        cfg = AgentConfig(context_window=1536, max_turns=2, max_new_tokens=32, max_episode_tokens=64,
+                          compaction=CompactionConfig(reserve=320, summary_max_tokens=48))
+        rt = EpisodeRuntime(engine, tokenizer, make_chat_format("chatml"), make_tool_parser("json", TOOL_SPECS),
+                            Guard(), cfg)
+        traj = asyncio.run(AgentEpisode(rt, task_by_id["add_two_numbers"], SamplingParams(seed=1)).run())
+    finally:
+        engine.close()
+    assert traj.finish_reason in ("max_turns", "max_tokens", "submitted") and traj.num_turns >= 1
+    assert traj.num_action_tokens > 0 and "outcomes" in traj.grade_details

@@ -1,0 +1,103 @@
+import asyncio
+
+import pytest
+import torch
+
+from models import load_model, policy_logprobs
+from rollout.engine import Engine
+from rollout.local_engine import LocalEngine
+from rollout.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    eng = LocalEngine(load_model(tiny_path), None, max_batch_size=8)
+    from models import load_tokenizer
+
+    eng.tokenizer = load_tokenizer(tiny_path)
+    yield eng
+    eng.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_is_an_engine(engine):
+    assert isinstance(engine, Engine)
+
+
+def test_logprobs_equal_an_independent_forward(engine, tiny_path):
+    """μ returned by the engine (batched, KV cache, left padding) = log-softmax of a plain full forward."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    prompts = [[1, 2, 3, 4, 5], [7, 8], list(range(100, 140))]
+
+    async def go():
+        return await asyncio.gather(*[engine.generate(p, SamplingParams(temperature=0.8, max_new_tokens=12, seed=i))
+                                      for i, p in enumerate(prompts)])
+    for prompt, res in zip(prompts, run(go())):
+        assert len(res.output_ids) == 12 and res.finish_reason == "length"
+        ids = torch.tensor([prompt + res.output_ids])
+        with torch.no_grad():
+            logits = reference(ids).logits[0].float() / 0.8
+        ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(-1, torch.tensor(res.output_ids)[:, None])
+        assert torch.allclose(torch.tensor(res.output_logprobs), ref[:, 0], atol=1e-4)
+        # and the trainer's chunked computation agrees too
+        lp, _ = policy_logprobs(reference, ids, torch.ones_like(ids), 0.8, chunk_size=5)
+        assert torch.allclose(lp[0, len(prompt):], torch.tensor(res.output_logprobs), atol=1e-4)
+
+
+def test_seed_reproducible_and_batch_independent(engine):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=123)
+    alone = run(engine.generate([5, 6, 7], sp))
+
+    async def crowded():
+        others = [engine.generate(list(range(20 + i, 40 + i)), SamplingParams(max_new_tokens=15, seed=i))
+                  for i in range(5)]
+        return (await asyncio.gather(engine.generate([5, 6, 7], sp), *others))[0]
+    together = run(crowded())
+    assert alone.output_ids == together.output_ids
+    assert together.meta["batch_size"] > 1
+
+
+def test_stop_tokens_and_strings(engine):
+    free = run(engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8)))
+    stop_tok = free.output_ids[3]
+    first = free.output_ids.index(stop_tok)
+    res = run(engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8,
+                                                        stop_token_ids=(stop_tok,))))
+    assert res.finish_reason == "stop" and res.output_ids == free.output_ids[:first + 1]
+    text = engine.tokenizer.decode(free.output_ids[:4])
+    res2 = run(engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8,
+                                                         stop_strings=(text[-3:],))))
+    assert res2.finish_reason == "stop" and len(res2.output_ids) <= 4
+
+
+def test_update_weights_and_version(engine, tiny_path):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = run(engine.generate([3, 4, 5], sp))
+    other = load_model("tiny-random:1")
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    run(engine.update_weights(dict(other.named_parameters()), version=7))
+    after = run(engine.generate([3, 4, 5], sp))
+    assert after.meta["weight_version"] == 7 and after.output_ids != before.output_ids
+    with pytest.raises(KeyError):
+        engine.load_weights({"no.such.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights({"lm_head.weight": torch.zeros(3, 3)})
+    engine.load_weights(original, version=0)
+    assert run(engine.generate([3, 4, 5], sp)).output_ids == before.output_ids
+
+
+def test_abort_and_health(engine):
+    async def go():
+        await engine.pause()
+        task = asyncio.ensure_future(engine.generate([1, 2], SamplingParams(max_new_tokens=50), request_id="x"))
+        await asyncio.sleep(0.05)
+        await engine.abort(["x"])
+        await engine.resume()
+        return await task, await engine.health()
+    res, health = run(go())
+    assert res.finish_reason == "abort" and health["ok"]
