@@ -57,7 +57,7 @@ class CallView:
         args = call.arguments if isinstance(call.arguments, dict) else {}
         if call.name == "bash" and isinstance(args.get("command"), str):
             view.commands = parse_shell(args["command"])
-            view.written_paths = [t for c in view.commands for op, t in c.redirects if op.endswith(">")
+            view.written_paths = [t for c in view.commands for op, t in c.redirects if ">" in op
                                   and not t.startswith("&") and t != "/dev/null"]
         elif call.name == "write_file" and isinstance(args.get("path"), str):
             view.written_paths = [args["path"]]

@@ -11,7 +11,6 @@ import shlex
 from dataclasses import dataclass, field
 
 _CONTROL = {";", "&&", "||", "|", "&", "(", ")", "\n"}
-_REDIRECT = {">", ">>", "<", ">|", "&>", "2>", "2>>", "1>"}
 _SHELLS = {"bash", "sh", "dash", "zsh"}
 
 
@@ -43,17 +42,20 @@ def parse_shell(command: str, depth: int = 0) -> list[ShellCommand]:
     i = 0
     while i < len(tokens):
         tok = tokens[i]
+        if tok.isdigit() and i + 1 < len(tokens) and tokens[i + 1][:1] in "<>":  # 2>, 2>>, 2>&
+            tok = tok + tokens[i + 1]
+            i += 1
         if tok in _CONTROL:
             if current.argv or current.redirects:
                 out.append(current)
             current = ShellCommand([])
-        elif tok in _REDIRECT or (tok[:-1].isdigit() and tok[-1:] == ">"):
+        elif tok.lstrip("0123456789")[:1] in ("<", ">") or tok == "&>":
             target = tokens[i + 1] if i + 1 < len(tokens) else ""
-            if target == "&" and i + 2 < len(tokens):  # 2>&1
-                target = "&" + tokens[i + 2]
-                i += 1
-            current.redirects.append((tok, target))
             i += 1
+            if tok.endswith("&") and tok != "&>":  # >&1, 2>&1: a descriptor, not a file
+                target = "&" + target
+                tok = tok[:-1]
+            current.redirects.append((tok, target))
         else:
             current.argv.append(tok)
         i += 1

@@ -163,8 +163,11 @@ class BwrapSandbox(Sandbox):
                 cmd += ["--symlink", target, f"/{d}"]
             elif os.path.isdir(f"/{d}"):
                 cmd += ["--ro-bind", f"/{d}", f"/{d}"]
-        made = set()
-        for root in _python_roots():
+        made: set[str] = set()
+        readonly = _python_roots()
+        if os.path.isdir("/etc/alternatives"):  # Debian's awk, which, editor… are links through here
+            readonly.append("/etc/alternatives")
+        for root in readonly:
             parts = Path(root).parts
             for i in range(2, len(parts)):  # world-readable parents, or the unprivileged uid cannot traverse
                 parent = str(Path(*parts[:i]))

@@ -12,14 +12,14 @@ from environments.sandbox import Sandbox
 from environments.types import ExecResult, Task, ToolCall
 
 TOOL_SPECS: list[dict] = [
-    {"name": "bash", "description": "Run a shell command in /workspace (the task's project). No network.",
+    {"name": "bash", "description": "Run a shell command in /workspace.",
      "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}},
-    {"name": "write_file", "description": "Create or overwrite a file with the given content.",
+    {"name": "write_file", "description": "Create or overwrite a file.",
      "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
                     "required": ["path", "content"]}},
-    {"name": "run_tests", "description": "Run the task's visible tests with pytest.",
+    {"name": "run_tests", "description": "Run the visible tests.",
      "parameters": {"type": "object", "properties": {}, "required": []}},
-    {"name": "submit", "description": "Finish. Your files are graded with hidden tests.",
+    {"name": "submit", "description": "Finish; hidden tests grade your files.",
      "parameters": {"type": "object", "properties": {}, "required": []}},
 ]
 TOOL_NAMES = [t["name"] for t in TOOL_SPECS]

@@ -55,6 +55,12 @@ def init_distributed(env: DistEnv | None = None) -> str:
         MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port or free_port()),
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if env.world_size == 1 and backend == "gloo":
+        # DeepSpeed JIT-compiles a shared-memory allreduce op (about a minute on a fresh machine) for CPU
+        # worlds; a world of one process never communicates, so declare the op unavailable instead.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return backend

@@ -14,6 +14,12 @@ from rl.config import AlgorithmConfig
 from rl.losses import kl_estimate, ppo_policy_loss, rollout_correction
 
 
+def needs_reference(algo: AlgorithmConfig) -> bool:
+    """A frozen reference is kept to log or penalise KL(π ‖ π_ref). Its logprobs (and π_old, for a KL penalty in
+    the reward) are computed before the update; otherwise the step needs no logprob pass of its own."""
+    return algo.use_reference or algo.kl_coef > 0 or algo.kl_loss_coef > 0
+
+
 class ActorWorker(DeepSpeedWorker):
     def __init__(self, model_path: str, optim: OptimConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None):
@@ -24,13 +30,13 @@ class ActorWorker(DeepSpeedWorker):
         super().__init__(load_model(model_path, "policy", dtype=dtype), optim, to_dtype(dtype), seed,
                          torch_threads, dist, tokenizer_source=model_path)
         self.reference = None
-        if algo.use_reference or algo.kl_coef > 0 or algo.kl_loss_coef > 0:
+        if needs_reference(algo):
             self.reference = load_model(model_path, "policy", dtype=dtype, device=self.device).eval()
             self.reference.requires_grad_(False)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[dict]) -> dict[str, list[list[float]]]:
-        """π_old (this step's proximal policy) and, if kept, π_ref logprobs of every token."""
+        """π_old (this step's proximal policy) and, if kept, π_ref logprobs of every action token."""
         self.module.eval()
         batches = self.micro_batches(samples, ("loss_mask",))
         old, ref = [], []
@@ -47,10 +53,15 @@ class ActorWorker(DeepSpeedWorker):
 
     def train_step(self, samples: list[dict]) -> dict:
         """One PPO optimiser step over all segments of the step (whole-batch token-mean, ALGORITHMS.md §1.8).
-        Samples carry token_ids, loss_mask, advantages, old_logprobs, rollout_logprobs (and ref_logprobs)."""
+
+        Samples carry token_ids, loss_mask, advantages, rollout_logprobs (and ref_logprobs). π_old is the policy
+        at the start of the step; the update is a single optimiser step after all micro-batches, so during it
+        the parameters *are* π_old and each micro-batch's own logprobs, detached, are π_old exactly. A separate
+        recompute pass (`old_logprobs` given) is only needed when something used them before the update."""
         started = time.perf_counter()
         a = self.algo
-        fields = ("loss_mask", "advantages", "old_logprobs", "rollout_logprobs")
+        have_old = "old_logprobs" in samples[0]
+        fields = ("loss_mask", "advantages", "rollout_logprobs") + (("old_logprobs",) if have_old else ())
         if self.reference is not None:
             fields += ("ref_logprobs",)
         self.module.train()
@@ -67,10 +78,10 @@ class ActorWorker(DeepSpeedWorker):
                 mask = t["loss_mask"]
                 logp, entropy = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
                                                 with_entropy=True, only=mask)
-                weights, keep, corr = rollout_correction(t["old_logprobs"], t["rollout_logprobs"], mask,
-                                                         a.tis_low, a.tis_high, a.mask_low or None,
-                                                         a.mask_high or None, a.veto or None)
-                pg, stats = ppo_policy_loss(logp, t["old_logprobs"], t["advantages"], mask, a.clip_low, a.clip_high,
+                old = t["old_logprobs"] if have_old else logp.detach()
+                weights, keep, corr = rollout_correction(old, t["rollout_logprobs"], mask, a.tis_low, a.tis_high,
+                                                         a.mask_low or None, a.mask_high or None, a.veto or None)
+                pg, stats = ppo_policy_loss(logp, old, t["advantages"], mask, a.clip_low, a.clip_high,
                                             a.dual_clip or None)
                 effective = mask * keep
                 per_token = pg * weights

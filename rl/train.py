@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from environments import load_tasks, make_sandbox
 from models import resolve_model_path
+from rl.actor import needs_reference
 from rl.batch import add_advantages, boundary_value_drop, to_samples, trainable
 from rl.checkpoint import Checkpointer
 from rl.cluster import Workers, guard_metrics, push_weights, run_episodes, spawn, start_ray
@@ -41,9 +42,10 @@ def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) 
         return metrics
     samples = to_samples(kept)
     metrics["perf/rollout_tokens_per_s"] = sum(t.num_action_tokens for t in trajs) / metrics["perf/rollout_s"]
-    for key, values in ray.get(w.actor.compute_logprobs.remote(samples)).items():
-        for s, v in zip(samples, values):
-            s[key] = v
+    if needs_reference(cfg.algorithm):
+        for key, values in ray.get(w.actor.compute_logprobs.remote(samples)).items():
+            for s, v in zip(samples, values):
+                s[key] = v
     metrics["perf/logprobs_s"] = timer.lap()
     for s, v in zip(samples, ray.get(w.critic.compute_values.remote(samples))):
         s["values"] = v

@@ -55,13 +55,11 @@ class EpisodeRuntime:
 
 def system_prompt(rt: EpisodeRuntime) -> str:
     example = rt.parser.format_call(ToolCall("write_file", {"path": "hello.py", "content": "print('hello')\n"}))
-    text = ("You are a coding agent. You work in a sandboxed Linux machine; the task's project is in /workspace, "
-            "your current directory. There is no network.\n"
-            f"{rt.parser.instructions()}\nExample:\n{example}\n"
-            "Make one tool call per reply. When the task is done, call submit.")
+    text = ("You are a coding agent in a sandbox. The task's project is your current directory, /workspace. "
+            f"No network.\n{rt.parser.instructions()}\nExample:\n{example}\n"
+            "One tool call per reply; call submit when the task is done.")
     if rt.config.code_block_answer:
-        text += ("\nYou may instead reply with your final solution as one ```python code block: it is saved to "
-                 "the task's main file and submitted.")
+        text += "\nOr reply with the final solution as one ```python block: it is saved to the main file and submitted."
     return text
 
 
@@ -93,14 +91,18 @@ class AgentEpisode:
         self.guard_ctx = GuardContext(task.id, task.statement, protected_paths=task.protected_paths)
         self.sampled = 0  # tokens sampled over the whole episode
         self.turns_in_context = 0  # turns since the start or the last compaction
+        self.generate_calls = 0  # turns and summaries: each call gets its own seed and request id
+        self.header_len = len(rt.encode(rt.chat.generation_prompt()))
         self.timings = {"generate_s": 0.0, "tool_s": 0.0, "guard_s": 0.0, "grade_s": 0.0}
 
     # ---- helpers --------------------------------------------------------------------------------------
     async def _generate(self, ledger: TokenLedger, max_new: int):
         started = time.perf_counter()
-        seed = None if self.sampling.seed is None else self.sampling.seed + self.traj.num_turns * 7919
+        call = self.generate_calls
+        self.generate_calls += 1
+        seed = None if self.sampling.seed is None else self.sampling.seed + call * 7919
         result = await self.rt.engine.generate(ledger.ids, self.sampling.replace(max_new_tokens=max_new, seed=seed),
-                                               request_id=f"{self.rollout_id}-{self.traj.num_turns}")
+                                               request_id=f"{self.rollout_id}-{call}")
         self.timings["generate_s"] += time.perf_counter() - started
         ledger.append_output(result.output_ids, result.output_logprobs, int(result.meta.get("weight_version", 0)))
         self.sampled += len(result.output_ids)
@@ -117,7 +119,7 @@ class AgentEpisode:
         return comp.enabled and self.turns_in_context > 0 and self.traj.num_compactions < comp.max_compactions
 
     def _prompt_len(self) -> int:
-        return len(self.ledger) + len(self.rt.encode(self.rt.chat.generation_prompt()))
+        return len(self.ledger) + self.header_len
 
     # ---- the loop -------------------------------------------------------------------------------------
     async def run(self) -> Trajectory:

@@ -35,7 +35,7 @@ def _tool_list(tools: list[dict]) -> str:
     lines = []
     for t in tools:
         props = t["parameters"].get("properties", {})
-        args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
+        args = ", ".join(props)
         lines.append(f"- {t['name']}({args}): {t['description']}")
     return "\n".join(lines)
 
@@ -148,9 +148,8 @@ class GLMToolParser(ToolCallParser):
         return "".join(parts) + "</tool_call>"
 
     def instructions(self) -> str:
-        return ("You act by calling tools. To call a tool, write:\n<tool_call>TOOL_NAME\n"
-                "<arg_key>ARGUMENT</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>\n"
-                "Available tools:\n" + _tool_list(list(self.tools.values())))
+        return ("Call a tool by writing <tool_call>TOOL_NAME\n<arg_key>ARGUMENT</arg_key>\n"
+                "<arg_value>VALUE</arg_value>\n</tool_call>\nTools:\n" + _tool_list(list(self.tools.values())))
 
 
 TOOL_PARSERS = {p.name: p for p in (JSONToolParser, GLMToolParser)}

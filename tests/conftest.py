@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model, the shipped tasks, one Ray instance per session."""
+"""Shared fixtures: the tiny model and its tokenizer, the shipped tasks; offline settings for every test."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

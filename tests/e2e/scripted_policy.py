@@ -1,5 +1,5 @@
-"""A tiny model taught, by a few dozen supervised steps, to answer every assistant turn with one of a few fixed
-tool calls. It makes whole-loop tests exercise real tool execution, guard blocks and compaction through the
+"""A tiny model taught, by a few hundred supervised steps (~40 s), to answer assistant turns with one of two fixed
+tool calls (one of them a hack the guard blocks). It makes whole-loop tests exercise real tool execution, guard blocks and compaction through the
 real engine, with a model small enough for CI."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ REPLIES = [
 ]
 
 
-def make_scripted_policy(base: str, out: Path, steps: int = 80, seed: int = 0) -> Path:
+def make_scripted_policy(base: str, out: Path, steps: int = 250, seed: int = 0) -> Path:
     tokenizer = load_tokenizer(base)
     chat = make_chat_format("chatml")
     rt = EpisodeRuntime(None, tokenizer, chat, make_tool_parser("json", TOOL_SPECS), Guard(), AgentConfig())
@@ -48,7 +48,7 @@ def make_scripted_policy(base: str, out: Path, steps: int = 80, seed: int = 0) -
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)
     for _ in range(steps):
-        batch = rng.sample(examples, 4)
+        batch = rng.sample(examples, 2)
         loss = 0.0
         for prompt_ids, target in batch:
             ids = torch.tensor([prompt_ids + target])
@@ -62,5 +62,5 @@ def make_scripted_policy(base: str, out: Path, steps: int = 80, seed: int = 0) -
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "scripted_replies.json").write_text(json.dumps({"replies": REPLIES, "final_loss": float(loss)}))
+    (out / "scripted_replies.json").write_text(json.dumps({"replies": REPLIES, "final_loss": float(loss.detach())}))
     return out

@@ -4,6 +4,7 @@ DeepSpeed, weight sync, checkpoints, evaluation, and a run killed mid-way and re
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -40,7 +41,7 @@ def test_two_steps_end_to_end(scripted_policy, tmp_path):
     from rl.train import train
 
     cfg = config(f"model.name={scripted_policy}", f"output_dir={tmp_path}", "trainer.verify_weight_sync=true",
-                 "agent.context_window=1024", "agent.compaction.reserve=320", "agent.max_turns=4")
+                 "agent.context_window=896", "agent.max_turns=5", "engine.temperature=0.5")
     final = train(cfg)
     run = tmp_path / "coding_ppo_tiny"
     records = read_metrics(run / "metrics.jsonl")
@@ -51,7 +52,9 @@ def test_two_steps_end_to_end(scripted_policy, tmp_path):
     assert sum(r["rollout/compactions"] for r in steps) > 0
     for r in steps:
         assert r["perf/weight_sync_max_abs_diff"] == 0.0 and r["rollout/weight_version"] == r["step"]
-        assert r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0
+        assert math.isfinite(r["actor/grad_norm"]) and math.isfinite(r["critic/grad_norm"])
+        if r["adv/raw_std"] > 0:  # some reward signal (bugfix tasks give partial credit): both models moved
+            assert r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0
         for key in ("perf/rollout_s", "perf/logprobs_s", "perf/values_s", "perf/train_s", "actor/clipfrac",
                     "critic/value_loss", "critic/explained_variance", "actor/kl_ref", "rollout/segments_mean"):
             assert key in r, key

@@ -125,3 +125,21 @@ def test_zero_stages_train_and_export(tiny_path, tmp_path, stage):
 
     hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "c" / "hf")
     assert torch.allclose(hf.score.weight, state["score.weight"])
+
+
+def test_old_logprobs_from_the_update_forward_equal_a_separate_pass(tiny_path):
+    """One optimiser step per batch: π_old taken from the update's own forward is the recomputed π_old."""
+    results = []
+    for separate in (True, False):
+        w = ActorWorker(tiny_path, OptimConfig(learning_rate=1e-3, micro_batch_tokens=60),
+                        AlgorithmConfig(use_reference=False), temperature=0.9)
+        samples = batch()
+        if separate:
+            for s, old in zip(samples, w.compute_logprobs(samples)["old_logprobs"]):
+                s["old_logprobs"] = old
+        for s in samples:
+            s.update(rollout_logprobs=[-5.0 * m for m in s["loss_mask"]],
+                     advantages=[(-1.0) ** i * m for i, m in enumerate(s["loss_mask"])])
+        results.append(w.train_step(samples))
+    for key in ("actor/loss", "actor/grad_norm", "mismatch/tis_truncated_frac", "mismatch/masked_frac"):
+        assert results[0][key] == pytest.approx(results[1][key], rel=1e-5, abs=1e-7), key

@@ -32,7 +32,7 @@ def test_token_ledger_matches_tokenised_full_render(tokenizer):
     history = [Message("system", "You are helpful."), Message("user", "Add 2 and 3.")]
     reply_ids = tokenizer("The answer is 5.", add_special_tokens=False)["input_ids"] + [
         tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    ids = tokenizer(fmt.render(history), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(fmt.render(history, add_generation_prompt=False), add_special_tokens=False)["input_ids"]
     ids += tokenizer(fmt.generation_prompt(), add_special_tokens=False)["input_ids"] + reply_ids
     obs = [Message("tool", "ok")]
     ids += tokenizer(fmt.continuation(obs, tokenizer.decode(reply_ids[-2:])), add_special_tokens=False)["input_ids"]

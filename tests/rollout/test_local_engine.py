@@ -76,19 +76,21 @@ def test_stop_tokens_and_strings(engine):
 
 
 def test_update_weights_and_version(engine, tiny_path):
-    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
     before = run(engine.generate([3, 4, 5], sp))
     other = load_model("tiny-random:1")
     original = {k: v.clone() for k, v in engine.model.state_dict().items()}
     run(engine.update_weights(dict(other.named_parameters()), version=7))
     after = run(engine.generate([3, 4, 5], sp))
-    assert after.meta["weight_version"] == 7 and after.output_ids != before.output_ids
+    assert after.meta["weight_version"] == 7 and after.output_logprobs != before.output_logprobs
+    assert torch.equal(engine.model.lm_head.weight, other.model.embed_tokens.weight)  # tied weights follow
     with pytest.raises(KeyError):
         engine.load_weights({"no.such.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="shape"):
         engine.load_weights({"lm_head.weight": torch.zeros(3, 3)})
     engine.load_weights(original, version=0)
-    assert run(engine.generate([3, 4, 5], sp)).output_ids == before.output_ids
+    again = run(engine.generate([3, 4, 5], sp))
+    assert again.output_ids == before.output_ids and again.output_logprobs == before.output_logprobs
 
 
 def test_abort_and_health(engine):

@@ -1,0 +1,67 @@
+"""LocalEngine throughput against transformers' `generate` on the same model, prompts and lengths.
+
+    python bench/engine.py [--model smollm2-135m-instruct] [--batch 16] [--new-tokens 64]
+
+Both sample at temperature 1 with a fixed number of new tokens (no early stop), from the same left-padded
+prompts; we report generated tokens per second and the ratio. LocalEngine additionally returns the logprob of
+every sampled token (HF `generate` is asked for its scores too, to make the work comparable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import torch
+
+from models import load_model, load_tokenizer
+from rollout.local_engine import LocalEngine
+from rollout.types import SamplingParams
+
+PROMPTS = ["Write a Python function that reverses a string.", "What is the capital of France?",
+           "Explain recursion in one paragraph.", "Write a haiku about compilers.",
+           "How do I sort a list of dicts by a key in Python?", "Give three uses of a hash map."]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    args = p.parse_args()
+    tok = load_tokenizer(args.model)
+    model = load_model(args.model).eval()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+               for i in range(args.batch)]
+    total = args.batch * args.new_tokens
+    print(f"{args.model}: batch {args.batch}, {args.new_tokens} new tokens, torch threads {torch.get_num_threads()}")
+
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(**enc, do_sample=True, temperature=1.0, top_p=None, top_k=None, max_new_tokens=args.new_tokens,
+                       min_new_tokens=args.new_tokens, output_scores=True, return_dict_in_generate=True,
+                       pad_token_id=tok.pad_token_id)
+    hf_s = time.perf_counter() - start
+
+    engine = LocalEngine(model, tok, max_batch_size=args.batch)
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens,
+                                                                        seed=i)) for i, p in enumerate(prompts)])
+    start = time.perf_counter()
+    results = asyncio.run(run())
+    ours_s = time.perf_counter() - start
+    engine.close()
+    assert sum(len(r.output_ids) for r in results) == total
+    print(f"HF generate:  {total / hf_s:7.1f} tokens/s ({hf_s:.1f} s)")
+    print(f"LocalEngine:  {total / ours_s:7.1f} tokens/s ({ours_s:.1f} s)")
+    print(f"ratio (LocalEngine / HF): {hf_s / ours_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
