@@ -1,8 +1,9 @@
-"""A small shell-command reader for the rules: commands (argv lists) and redirection targets.
+"""Shell commands as the rules see them: every simple command (argv), its redirections, and the scripts it
+carries inline (`bash -c`, `sh -c`, `eval`, `python -c`, heredocs fed to an interpreter, `$(...)`).
 
-It splits on the control operators (; && || | &), records the targets of > >> < redirections, and reads
-`bash -c '...'`, `sh -c`, `eval` and `python -c` bodies recursively. It never executes anything. A command it
-cannot tokenise (unbalanced quotes) yields the raw words, so rules still see them.
+Parsing uses bashlex, a real bash parser (pipelines, lists, loops, compound commands, substitutions). What
+bashlex rejects (`[[ ]]`, unbalanced quotes, exotic syntax) falls back to a tokenizer on the control operators,
+so a rule always sees the words. Nothing is ever executed.
 """
 
 from __future__ import annotations
@@ -10,19 +11,98 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-_CONTROL = {";", "&&", "||", "|", "&", "(", ")", "\n"}
-_SHELLS = {"bash", "sh", "dash", "zsh"}
+_CONTROL = {";", "&&", "||", "|", "&", "(", ")", "\n", "{", "}"}
+_SHELLS = {"bash", "sh", "dash", "zsh", "ksh"}
+_PYTHONS = ("python", "python3", "python2", "pypy", "pypy3")
 
 
 @dataclass
 class ShellCommand:
     argv: list[str]
     redirects: list[tuple[str, str]] = field(default_factory=list)  # (operator, target)
-    python_code: list[str] = field(default_factory=list)  # bodies of python -c
+    python_code: list[str] = field(default_factory=list)  # bodies of python -c and python heredocs
+    stdin_script: str = ""  # a heredoc or here-string body
 
     @property
     def name(self) -> str:
         return self.argv[0].rsplit("/", 1)[-1] if self.argv else ""
+
+    @property
+    def is_python(self) -> bool:
+        return self.name.startswith(_PYTHONS)
+
+
+def parse_shell(command: str, depth: int = 0) -> list[ShellCommand]:
+    try:
+        commands = _parse_bashlex(command)
+    except Exception:  # bashlex rejects some valid bash (and all invalid bash): read the words anyway
+        commands = _parse_tokens(command)
+    return _expand(commands, depth)
+
+
+def _expand(commands: list[ShellCommand], depth: int) -> list[ShellCommand]:
+    """Add the commands that others carry: wrapped commands and inline scripts."""
+    out = list(commands)
+    if depth >= 3:
+        return out
+    for cmd in commands:
+        wrapped = _unwrap(cmd)
+        if wrapped is not None:
+            out.extend(_expand([wrapped], depth + 1))
+        for script in _inline_scripts(cmd):
+            out.extend(parse_shell(script, depth + 1))
+    return out
+
+
+def _parse_bashlex(command: str) -> list[ShellCommand]:
+    import bashlex
+
+    out: list[ShellCommand] = []
+
+    def visit(node) -> None:
+        kind = node.kind
+        if kind == "command":
+            cmd = ShellCommand([])
+            for part in node.parts:
+                if part.kind == "word":
+                    cmd.argv.append(part.word)
+                    _visit_substitutions(part, visit)
+                elif part.kind == "redirect":
+                    target = part.output
+                    if hasattr(target, "word"):
+                        text = target.word
+                    else:
+                        text = f"&{target}"
+                    op = part.type
+                    if op in (">&", "<&"):
+                        text, op = (f"&{text.lstrip('&')}" if text.lstrip("&").isdigit() else text), op[0]
+                    if getattr(part, "heredoc", None) is not None:
+                        body = part.heredoc.value
+                        cmd.stdin_script = body.rsplit("\n", 1)[0] if "\n" in body else body
+                    elif op == "<<<":
+                        cmd.stdin_script = text
+                    cmd.redirects.append((op, text))
+                elif part.kind == "assignment":
+                    _visit_substitutions(part, visit)
+            out.append(cmd)
+            return
+        for attr in ("parts", "list"):
+            for child in getattr(node, attr, None) or []:
+                visit(child)
+        if kind == "commandsubstitution":
+            visit(node.command)
+
+    for tree in bashlex.parse(command):
+        visit(tree)
+    return out
+
+
+def _visit_substitutions(node, visit) -> None:
+    for part in getattr(node, "parts", None) or []:
+        if part.kind in ("commandsubstitution", "processsubstitution"):
+            visit(part.command)
+        else:
+            _visit_substitutions(part, visit)
 
 
 def _tokens(command: str) -> list[str]:
@@ -35,7 +115,7 @@ def _tokens(command: str) -> list[str]:
         return command.split()
 
 
-def parse_shell(command: str, depth: int = 0) -> list[ShellCommand]:
+def _parse_tokens(command: str) -> list[ShellCommand]:
     out: list[ShellCommand] = []
     current = ShellCommand([])
     tokens = _tokens(command.replace("\n", " ; "))
@@ -45,7 +125,7 @@ def parse_shell(command: str, depth: int = 0) -> list[ShellCommand]:
         if tok.isdigit() and i + 1 < len(tokens) and tokens[i + 1][:1] in "<>":  # 2>, 2>>, 2>&
             tok = tok + tokens[i + 1]
             i += 1
-        if tok in _CONTROL:
+        if tok in _CONTROL or tok in ("[[", "]]"):
             if current.argv or current.redirects:
                 out.append(current)
             current = ShellCommand([])
@@ -53,27 +133,47 @@ def parse_shell(command: str, depth: int = 0) -> list[ShellCommand]:
             target = tokens[i + 1] if i + 1 < len(tokens) else ""
             i += 1
             if tok.endswith("&") and tok != "&>":  # >&1, 2>&1: a descriptor, not a file
-                target = "&" + target
-                tok = tok[:-1]
+                target, tok = "&" + target, tok[:-1]
             current.redirects.append((tok, target))
         else:
             current.argv.append(tok)
         i += 1
     if current.argv or current.redirects:
         out.append(current)
-    if depth < 3:
-        for cmd in list(out):
-            inner = _inline_script(cmd)
-            if inner is not None:
-                out.extend(parse_shell(inner, depth + 1))
     return out
 
 
-def _inline_script(cmd: ShellCommand) -> str | None:
-    if cmd.name in _SHELLS and "-c" in cmd.argv[1:-1]:
-        return cmd.argv[cmd.argv.index("-c") + 1]
-    if cmd.name == "eval" and len(cmd.argv) > 1:
-        return " ".join(cmd.argv[1:])
-    if cmd.name.startswith("python") and "-c" in cmd.argv[1:-1]:
-        cmd.python_code.append(cmd.argv[cmd.argv.index("-c") + 1])
-    return None
+_WRAPPERS = {"xargs", "sudo", "env", "nohup", "timeout", "nice", "setsid", "stdbuf", "time", "command", "exec",
+             "ionice", "chronic", "unbuffer"}
+
+
+def _unwrap(cmd: ShellCommand) -> ShellCommand | None:
+    """`timeout 5 curl x` runs `curl x`: the wrapped command, with the wrapper's redirections and stdin."""
+    if cmd.name not in _WRAPPERS or len(cmd.argv) < 2:
+        return None
+    rest = cmd.argv[1:]
+    while rest and (rest[0].startswith("-") or "=" in rest[0]):
+        rest = rest[1:]
+    if cmd.name == "timeout" and rest:
+        rest = rest[1:]  # the duration
+    if not rest:
+        return None
+    return ShellCommand(rest, list(cmd.redirects), stdin_script=cmd.stdin_script)
+
+
+def _inline_scripts(cmd: ShellCommand) -> list[str]:
+    """Shell text carried by a command, to be read as commands too (python code is kept on the command)."""
+    argv = cmd.argv
+    if cmd.name in _SHELLS:
+        if "-c" in argv[1:-1]:
+            return [argv[argv.index("-c") + 1]]
+        if cmd.stdin_script:
+            return [cmd.stdin_script]
+    elif cmd.name == "eval" and len(argv) > 1:
+        return [" ".join(argv[1:])]
+    elif cmd.is_python:
+        if "-c" in argv[1:-1]:
+            cmd.python_code.append(argv[argv.index("-c") + 1])
+        elif cmd.stdin_script and (len(argv) == 1 or argv[1] == "-"):
+            cmd.python_code.append(cmd.stdin_script)
+    return []

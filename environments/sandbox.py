@@ -163,7 +163,10 @@ class BwrapSandbox(Sandbox):
                 cmd += ["--symlink", target, f"/{d}"]
             elif os.path.isdir(f"/{d}"):
                 cmd += ["--ro-bind", f"/{d}", f"/{d}"]
-        made: set[str] = set()
+        # /tmp first: later mounts go on top of it, so a Python installed under /tmp (a CI checkout's venv)
+        # stays visible instead of being hidden by the private /tmp.
+        cmd += ["--perms", "1777", "--tmpfs", "/tmp"]
+        made: set[str] = {"/tmp"}
         readonly = _python_roots()
         if os.path.isdir("/etc/alternatives"):  # Debian's awk, which, editor… are links through here
             readonly.append("/etc/alternatives")
@@ -175,8 +178,7 @@ class BwrapSandbox(Sandbox):
                     cmd += ["--perms", "0755", "--dir", parent]
                     made.add(parent)
             cmd += ["--ro-bind", root, root]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-                "--bind", str(self.workspace), "/workspace"]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self.workspace), "/workspace"]
         for host, inside, writable in self.extra_binds:
             cmd += ["--bind" if writable else "--ro-bind", str(host), inside]
         cmd += ["--chdir", "/workspace",

@@ -98,5 +98,9 @@ def test_shell_reader():
     names = [c.name for c in cmds]
     assert names == ["cd", "echo", "cat", "grep", "bash", "rm"]
     assert cmds[1].redirects == [(">", "out.txt")]
-    assert ("2>", "&1") in cmds[3].redirects
+    assert [t for _, t in cmds[3].redirects] == ["&1"]  # 2>&1 names a descriptor, not a file
     assert parse_shell("echo 'unbalanced")[0].argv[0] == "echo"
+    loop = parse_shell("for f in a b; do x=$(cat tests/test_hidden.py); done; python - <<EOF\nimport socket\nEOF")
+    assert ["cat", "tests/test_hidden.py"] in [c.argv for c in loop]
+    assert any("import socket" in code for c in loop for code in c.python_code)
+    assert ["rm", "tests/x"] in [c.argv for c in parse_shell('timeout 5 bash <<< "rm tests/x"')]
