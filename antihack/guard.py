@@ -1,25 +1,27 @@
-"""The guard that wraps every tool call: rules (recall) → optional LLM judge (precision) → allow or block.
+"""The guard that wraps every tool call: rules (recall) → LLM judge on flagged calls (precision) → allow/block.
 
-A blocked call is not executed; the agent gets a dummy observation shaped like the failure the hardened
-sandbox itself would give (ALGORITHMS.md §4.5), and the episode goes on. There is no reward penalty by default:
+A blocked call is not executed; the agent gets a dummy observation shaped like the failure the hardened sandbox
+itself would give (ALGORITHMS.md §4.5), and the episode goes on. There is no reward penalty by default:
 blocking makes a hack useless instead of punished, which avoids teaching the policy to hide it (§4.1).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from antihack.rules import CallView, Rule, normalize, select_rules
+from antihack.facts import CallFacts, call_facts, normalize
+from antihack.rules import Rule, select_rules
 from antihack.types import GuardContext, RuleHit, Verdict
 from environments.types import ToolCall
 
 
 class Judge(Protocol):
-    """Stage 2 (the anti-hack guard issue builds it): decides flagged calls."""
+    """Stage 2 (antihack.judge.LLMJudge): decides flagged calls."""
 
-    def decide(self, call: ToolCall, context: GuardContext, hits: list[RuleHit]) -> Verdict: ...
+    async def decide(self, call: ToolCall, context: GuardContext, hits: list[RuleHit]) -> Verdict: ...
 
 
 @dataclass
@@ -28,20 +30,31 @@ class DummyObservation:
     exit_code: int
 
 
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 @dataclass
 class GuardStats:
     calls: int = 0
     flagged: int = 0
     blocked: int = 0
     judged: int = 0
-    latencies: list[float] = field(default_factory=list)
+    judge_failures: int = 0
+    rules_latencies: list[float] = field(default_factory=list)
+    judge_latencies: list[float] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
         n = max(self.calls, 1)
-        lat = sorted(self.latencies) or [0.0]
         return {"guard/calls": self.calls, "guard/flag_rate": self.flagged / n, "guard/block_rate": self.blocked / n,
-                "guard/judge_rate": self.judged / n, "guard/latency_p50_ms": 1000 * lat[len(lat) // 2],
-                "guard/latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
+                "guard/judge_rate": self.judged / n, "guard/judge_failures": self.judge_failures,
+                "guard/rules_latency_p50_ms": 1000 * _percentile(self.rules_latencies, 0.5),
+                "guard/rules_latency_p99_ms": 1000 * _percentile(self.rules_latencies, 0.99),
+                "guard/judge_latency_p50_ms": 1000 * _percentile(self.judge_latencies, 0.5),
+                "guard/judge_latency_p99_ms": 1000 * _percentile(self.judge_latencies, 0.99)}
 
 
 class Guard:
@@ -58,37 +71,71 @@ class Guard:
         self.dummy_mode = dummy_mode
         self.stats = GuardStats()
 
-    def check(self, call: ToolCall, context: GuardContext) -> Verdict:
-        """Decide one call before it runs. The call joins the episode's history either way."""
+    # ---- deciding ------------------------------------------------------------------------------------------
+    def rule_hits(self, call: ToolCall, context: GuardContext) -> tuple[list[RuleHit], CallFacts]:
+        facts = call_facts(call, context)
+        hits = [h for r in self.rules if r.id not in context.allowed_rule_ids for h in [r.apply(facts, context)] if h]
+        return hits, facts
+
+    async def acheck(self, call: ToolCall, context: GuardContext) -> Verdict:
+        """Decide one call before it runs (stage 1, then stage 2 when a flagged call needs it)."""
         started = time.perf_counter()
-        verdict = Verdict("allow")
-        if self.enabled:
-            view = CallView.of(call)
-            hits = [h for r in self.rules if r.id not in context.allowed_rule_ids
-                    for h in [r.apply(view, context)] if h]
-            verdict = self._decide(call, context, hits)
-        context.history.append(call)
+        if not self.enabled:
+            verdict = Verdict("allow")
+            facts = None
+        else:
+            hits, facts = self.rule_hits(call, context)
+            rules_done = time.perf_counter()
+            verdict = self._rules_verdict(hits)
+            verdict.rules_latency = rules_done - started
+            self.stats.rules_latencies.append(verdict.rules_latency)
+            if verdict.action == "allow" and hits and self.judge is not None:
+                judged = await self.judge.decide(call, context, hits)
+                judged.hits, judged.rule_ids, judged.rules_latency = hits, [h.rule_id for h in hits], verdict.rules_latency
+                judged.judge_latency = time.perf_counter() - rules_done
+                verdict = judged
+                self.stats.judged += 1
+                self.stats.judge_latencies.append(verdict.judge_latency)
+                if verdict.judge and verdict.judge.get("verdict") == "error":
+                    self.stats.judge_failures += 1
+        self._remember(call, context, verdict, facts)
         verdict.latency = time.perf_counter() - started
         self.stats.calls += 1
         self.stats.flagged += verdict.flagged
         self.stats.blocked += verdict.action == "block"
-        self.stats.judged += verdict.stage == "judge"
-        self.stats.latencies.append(verdict.latency)
         return verdict
 
-    def _decide(self, call: ToolCall, context: GuardContext, hits: list[RuleHit]) -> Verdict:
+    def check(self, call: ToolCall, context: GuardContext) -> Verdict:
+        """Synchronous `acheck`, for callers outside an event loop (inside one, await `acheck`)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.acheck(call, context))
+        raise RuntimeError("Guard.check called inside a running event loop: use `await guard.acheck(...)`")
+
+    @staticmethod
+    def _rules_verdict(hits: list[RuleHit]) -> Verdict:
         if not hits:
             return Verdict("allow")
         ids = [h.rule_id for h in hits]
         blocking = [h for h in hits if h.severity == "block"]
         if blocking:
             return Verdict("block", "rules", ids, blocking[0].reason, category=blocking[0].category, hits=hits)
-        if self.judge is not None:
-            verdict = self.judge.decide(call, context, hits)
-            verdict.hits, verdict.rule_ids = hits, ids
-            return verdict
         return Verdict("allow", "rules", ids, "flagged; no judge configured", category=hits[0].category, hits=hits)
 
+    @staticmethod
+    def _remember(call: ToolCall, context: GuardContext, verdict: Verdict, facts: CallFacts | None) -> None:
+        """Episode state: the call joins the history; what it writes is kept, so a script written now and run
+        later is judged on its content then."""
+        context.history.append(call)
+        if facts is not None:  # blocked writes too: running the script later shows the same intent
+            for path, content in facts.writes:
+                if content is not None:
+                    key = normalize(path)
+                    context.written[key] = context.written.get(key, "") + content if path in facts.appended \
+                        else content
+
+    # ---- what a blocked call returns ----------------------------------------------------------------------
     def dummy_observation(self, call: ToolCall, verdict: Verdict) -> DummyObservation:
         """What the agent sees instead of the call's result: never a fabricated success (§4.5)."""
         if self.dummy_mode == "explicit_notice":
@@ -96,15 +143,22 @@ class Guard:
                                     "Continue by changing the source code.", 1)
         args = call.arguments if isinstance(call.arguments, dict) else {}
         target = normalize(str(args.get("path") or "")) or "file"
-        if verdict.category == "network_download":
-            command = str(args.get("command", ""))
+        command = str(args.get("command", ""))
+        category = verdict.category
+        if category == "network_download":
             if "wget" in command or "curl" in command:
                 host = next((w.split("/")[2] for w in command.split() if "://" in w and len(w.split("/")) > 2),
                             "github.com")
                 return DummyObservation(f"curl: (6) Could not resolve host: {host}", 6)
+            if command.startswith("git "):
+                return DummyObservation("fatal: unable to access remote: Could not resolve host", 128)
             return DummyObservation("OSError: [Errno 101] Network is unreachable", 1)
-        if verdict.category == "hidden_data_access":
+        if category in ("hidden_data_access", "solution_search", "reference_copy"):
             return DummyObservation("No such file or directory", 1)
+        if category in ("git_history_leakage", "git_internals"):
+            return DummyObservation("fatal: bad revision", 128)
+        if category == "privilege_escalation":
+            return DummyObservation("Operation not permitted", 1)
         if call.name == "write_file":
             return DummyObservation(f"Error: [Errno 13] Permission denied: '{target}'", 1)
         return DummyObservation("Permission denied", 1)

@@ -174,11 +174,9 @@ class LLMJudge:
             block = data["verdict"] == "hack" and data["confidence"] >= self.config.threshold
             action = "block" if block else "allow"
             reason = f"judge: {data['verdict']} ({data['confidence']:.2f}): {data['reason']}"
-        verdict = Verdict(action, "judge", reason=reason, category=data.get("category") or
-                          (hits[0].category if hits else ""))
-        verdict.judge = data  # type: ignore[attr-defined]
-        verdict.latency = time.perf_counter() - started
-        return verdict
+        category = data.get("category") or (hits[0].category if hits else "")
+        return Verdict(action, "judge", reason=reason, category=category, judge=data,
+                       latency=time.perf_counter() - started)
 
     async def _ask(self, prompt: str) -> dict:
         error = "no attempt"

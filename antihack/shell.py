@@ -8,6 +8,7 @@ so a rule always sees the words. Nothing is ever executed.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -32,11 +33,46 @@ class ShellCommand:
         return self.name.startswith(_PYTHONS)
 
 
+_HEREDOC = re.compile(r"<<(-?)[ \t]*(['\"]?)([A-Za-z_][\w.-]*)\2")
+_VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
+
+
+def _lift_heredocs(command: str) -> tuple[str, dict[str, str]]:
+    """Replace each here-document by a here-string placeholder and return the bodies (bashlex mishandles
+    quoted delimiters such as <<'EOF', and the token reader knows no here-documents at all)."""
+    lines = command.split("\n")
+    out: list[str] = []
+    bodies: dict[str, str] = {}
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        matches = list(_HEREDOC.finditer(line))
+        keys = [f"__HEREDOC_{len(bodies) + n}__" for n in range(len(matches))]
+        for m, key in reversed(list(zip(matches, keys))):
+            line = line[:m.start()] + f"<<< {key}" + line[m.end():]
+        out.append(line)
+        for m, key in zip(matches, keys):
+            strip, delim, body = bool(m.group(1)), m.group(3), []
+            i += 1
+            while i < len(lines) and (lines[i].strip() if strip else lines[i]) != delim:
+                body.append(lines[i].lstrip("\t") if strip else lines[i])
+                i += 1
+            bodies[key] = "\n".join(body)
+        i += 1
+    return "\n".join(out), bodies
+
+
 def parse_shell(command: str, depth: int = 0) -> list[ShellCommand]:
+    text, bodies = _lift_heredocs(command)
     try:
-        commands = _parse_bashlex(command)
+        commands = _parse_bashlex(text)
     except Exception:  # bashlex rejects some valid bash (and all invalid bash): read the words anyway
-        commands = _parse_tokens(command)
+        commands = _parse_tokens(text)
+    for cmd in commands:
+        for i, (op, target) in enumerate(cmd.redirects):
+            if op == "<<<" and target in bodies:
+                cmd.stdin_script = bodies[target]
+                cmd.redirects[i] = ("<<", "EOF")
     return _expand(commands, depth)
 
 
@@ -58,19 +94,30 @@ def _parse_bashlex(command: str) -> list[ShellCommand]:
     import bashlex
 
     out: list[ShellCommand] = []
+    env: dict[str, str] = {}  # simple NAME=value assignments and loop variables, expanded in later words
+
+    def expand(word: str) -> str:
+        return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), word)
 
     def visit(node) -> None:
         kind = node.kind
+        if kind == "for":
+            words = [p.word for p in node.parts if p.kind == "word"]
+            if len(words) >= 2:
+                env[words[0]] = " ".join(expand(w) for w in words[1:])
         if kind == "command":
             cmd = ShellCommand([])
             for part in node.parts:
+                if part.kind == "assignment":
+                    name, _, value = part.word.partition("=")
+                    env[name] = expand(value)
                 if part.kind == "word":
-                    cmd.argv.append(part.word)
+                    cmd.argv.append(expand(part.word))
                     _visit_substitutions(part, visit)
                 elif part.kind == "redirect":
                     target = part.output
                     if hasattr(target, "word"):
-                        text = target.word
+                        text = expand(target.word)
                     else:
                         text = f"&{target}"
                     op = part.type

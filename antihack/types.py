@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import fnmatch
+import posixpath
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from environments.types import ToolCall
+
+TEST_PATTERNS = ("tests/*", "test/*", "*/tests/*", "*/test/*", "test_*.py", "*/test_*.py", "*_test.py",
+                 "*/*_test.py", "conftest.py", "*/conftest.py")
+
+
+_GLOB = set("*?[")
+
+
+def path_matches(path: str, patterns) -> bool:
+    """Whether `path` falls under one of `patterns` (globs); a `path` that is itself a glob (from a shell loop
+    or `find -name`) matches when it covers a pattern."""
+    p = path[2:] if path.startswith("./") else path
+    for pat in patterns:
+        if fnmatch.fnmatch(p, pat) or p == pat.rstrip("/*") or (pat.endswith("/*") and p.startswith(pat[:-1])):
+            return True
+        if _GLOB & set(p) and (fnmatch.fnmatch(pat, p) or fnmatch.fnmatch(pat, "*/" + p.lstrip("*/"))):
+            return True
+    return False
 
 
 @dataclass
@@ -14,10 +34,31 @@ class GuardContext:
 
     task_id: str = ""
     statement: str = ""
-    protected_paths: list[str] = field(default_factory=list)  # the task's tests, grader files, hidden data
+    protected_paths: list[str] = field(default_factory=list)  # must not change: tests, grader files
+    hidden_paths: list[str] = field(default_factory=list)  # must not even be read: hidden tests, grader data
+    task_files: list[str] = field(default_factory=list)  # the task's own statement files
+    package_name: str = ""  # the package under test (installing it from elsewhere is a hack)
+    visible_test_sources: dict[str, str] = field(default_factory=dict)
+    original_sources: dict[str, str] = field(default_factory=dict)  # the task's starting files
     allowed_rule_ids: list[str] = field(default_factory=list)  # per-task exceptions
     history: list[ToolCall] = field(default_factory=list)  # earlier calls of this episode, in order
+    written: dict[str, str] = field(default_factory=dict)  # files the agent wrote this episode (path → text)
     turn: int = 0
+
+    def is_test_path(self, path: str) -> bool:
+        p = posixpath.normpath(path) if path else path
+        return path_matches(p, TEST_PATTERNS) or path_matches(p, self.protected_paths)
+
+    @classmethod
+    def for_task(cls, task: Any) -> "GuardContext":
+        """The context of an episode on an `environments.Task`."""
+        meta = task.metadata or {}
+        hidden = [f.path for f in task.hidden_tests] + list(meta.get("hidden_paths", []))
+        return cls(task.id, task.statement, protected_paths=task.protected_paths, hidden_paths=sorted(set(hidden)),
+                   task_files=list(meta.get("task_files", [])), package_name=str(meta.get("package_name", "")),
+                   visible_test_sources={f.path: f.content for f in task.visible_tests},
+                   original_sources={f.path: f.content for f in task.files},
+                   allowed_rule_ids=list(meta.get("allowed_guard_rules", [])))
 
 
 @dataclass
@@ -34,9 +75,12 @@ class Verdict:
     stage: Literal["rules", "judge"] = "rules"
     rule_ids: list[str] = field(default_factory=list)
     reason: str = ""
-    latency: float = 0.0  # seconds spent in the guard for this call
+    latency: float = 0.0  # seconds spent in the guard for this call (both stages)
     category: str = ""
     hits: list[RuleHit] = field(default_factory=list)
+    judge: dict[str, Any] | None = None  # the judge's parsed answer, when it was asked
+    rules_latency: float = 0.0
+    judge_latency: float = 0.0
 
     @property
     def flagged(self) -> bool:

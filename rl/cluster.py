@@ -99,11 +99,14 @@ def push_weights(workers: Workers, version: int, bucket_mb: int, verify: bool = 
 
 
 def guard_metrics(workers: Workers) -> dict:
+    """Rates weighted by each worker's calls; latency percentiles as the worst worker's (an upper bound)."""
     per_worker = ray.get([w.guard_metrics.remote() for w in workers.rollout])
     calls = sum(m["guard/calls"] for m in per_worker) or 1
-    out = {"guard/calls": sum(m["guard/calls"] for m in per_worker)}
+    out = {"guard/calls": sum(m["guard/calls"] for m in per_worker),
+           "guard/judge_failures": sum(m["guard/judge_failures"] for m in per_worker)}
     for key in ("guard/flag_rate", "guard/block_rate", "guard/judge_rate"):
         out[key] = sum(m[key] * m["guard/calls"] for m in per_worker) / calls
-    for key in ("guard/latency_p50_ms", "guard/latency_p99_ms"):
-        out[key] = max(m[key] for m in per_worker)
+    for key in per_worker[0]:
+        if key.endswith("_ms"):
+            out[key] = max(m[key] for m in per_worker)
     return out

@@ -88,7 +88,7 @@ class AgentEpisode:
         self.history: list[Message] = [self.system, self.task_msg]  # the current context, as messages
         self.ledger = TokenLedger()
         self.traj = Trajectory(self.rollout_id, task.id, [], domain=task.domain)
-        self.guard_ctx = GuardContext(task.id, task.statement, protected_paths=task.protected_paths)
+        self.guard_ctx = GuardContext.for_task(task)
         self.sampled = 0  # tokens sampled over the whole episode
         self.turns_in_context = 0  # turns since the start or the last compaction
         self.generate_calls = 0  # turns and summaries: each call gets its own seed and request id
@@ -212,13 +212,14 @@ class AgentEpisode:
     async def _call(self, sandbox, call: ToolCall) -> Observation:
         self.traj.num_tool_calls += 1
         self.guard_ctx.turn = self.traj.num_turns
-        verdict = self.rt.guard.check(call, self.guard_ctx)
+        verdict = await self.rt.guard.acheck(call, self.guard_ctx)
         self.timings["guard_s"] += verdict.latency
         if verdict.flagged:
             self.traj.num_guard_flags += 1
         event = {"turn": self.traj.num_turns, "segment": len(self.traj.segments), "call": call.describe(),
                  "rules": verdict.rule_ids, "action": verdict.action, "stage": verdict.stage,
-                 "reason": verdict.reason, "latency_ms": round(1000 * verdict.latency, 3)}
+                 "category": verdict.category, "reason": verdict.reason, "judge": verdict.judge,
+                 "rules_ms": round(1000 * verdict.rules_latency, 3), "judge_ms": round(1000 * verdict.judge_latency, 1)}
         if verdict.action == "block":
             self.traj.num_guard_blocks += 1
             dummy = self.rt.guard.dummy_observation(call, verdict)

@@ -1,0 +1,163 @@
+"""`python -m antihack.evaluate`: recall, precision and false blocks of the guard on a labelled corpus.
+
+    python -m antihack.evaluate --corpus antihack/data/corpus.jsonl [--judge judge.yaml] [--out report.json]
+
+Each corpus line: {"id", "task": {"statement", "protected_paths": [...]}, "history": [earlier calls],
+"call": {"name", "arguments"}, "label": "hack" | "benign", "category"}. The history is replayed through the
+same guard first (so state such as a script written earlier is known), then the labelled call is decided.
+`--judge FILE` (YAML or JSON, the fields of `antihack.judge.JudgeConfig` plus `model` for the engine backend)
+adds the LLM judge; without it, flagged calls that no block rule catches are allowed (and counted as flagged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from antihack.guard import Guard
+from antihack.judge import EngineJudgeBackend, JudgeConfig, LLMJudge, OpenAIJudgeBackend
+from antihack.types import GuardContext
+from environments.types import ToolCall
+
+HIDDEN_MARKERS = ("hidden", "grader", "eval/", "expected", "solution", "gold")
+DEFAULT_CORPUS = str(Path(__file__).parent / "data" / "corpus.jsonl")
+
+
+def load_corpus(path: str) -> tuple[list[dict], list[tuple[int, str]]]:
+    rows, skipped = [], []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            for key in ("id", "task", "call", "label"):
+                if key not in row:
+                    raise ValueError(f"missing {key!r}")
+            if row["label"] not in ("hack", "benign"):
+                raise ValueError(f"label must be hack or benign, got {row['label']!r}")
+            rows.append(row)
+        except (json.JSONDecodeError, ValueError) as exc:
+            skipped.append((i, str(exc)))
+    return rows, skipped
+
+
+def context_for(row: dict) -> GuardContext:
+    task = row.get("task") or {}
+    protected = list(task.get("protected_paths") or [])
+    hidden = [p for p in protected if any(m in p for m in HIDDEN_MARKERS)]
+    return GuardContext(task_id=row["id"], statement=str(task.get("statement", "")), protected_paths=protected,
+                        hidden_paths=list(task.get("hidden_paths") or hidden),
+                        package_name=str(task.get("package_name", "")))
+
+
+def to_call(raw: dict) -> ToolCall:
+    return ToolCall(str(raw.get("name", "")), raw.get("arguments") if isinstance(raw.get("arguments"), dict) else {})
+
+
+async def run(guard: Guard, rows: list[dict]) -> list[dict]:
+    results = []
+    for row in rows:
+        ctx = context_for(row)
+        for earlier in row.get("history") or []:
+            await guard.acheck(to_call(earlier), ctx)
+        verdict = await guard.acheck(to_call(row["call"]), ctx)
+        results.append({"id": row["id"], "label": row["label"], "category": row.get("category", ""),
+                        "action": verdict.action, "stage": verdict.stage, "rule_ids": verdict.rule_ids,
+                        "flagged": verdict.flagged, "reason": verdict.reason,
+                        "rules_ms": 1000 * verdict.rules_latency, "judge_ms": 1000 * verdict.judge_latency,
+                        "judged": verdict.judge is not None})
+    return results
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+def summarize(results: list[dict]) -> dict:
+    hacks = [r for r in results if r["label"] == "hack"]
+    benign = [r for r in results if r["label"] == "benign"]
+    blocked = [r for r in results if r["action"] == "block"]
+    true_blocks = [r for r in blocked if r["label"] == "hack"]
+    by_cat: dict[str, list[dict]] = defaultdict(list)
+    for r in hacks:
+        by_cat[r["category"]].append(r)
+    judged = [r for r in results if r["judged"]]
+    return {
+        "n": len(results), "n_hack": len(hacks), "n_benign": len(benign),
+        "recall": len(true_blocks) / max(len(hacks), 1),
+        "flag_recall": sum(r["flagged"] for r in hacks) / max(len(hacks), 1),
+        "precision": len(true_blocks) / max(len(blocked), 1) if blocked else 1.0,
+        "false_block_rate": sum(r["action"] == "block" for r in benign) / max(len(benign), 1),
+        "benign_flag_rate": sum(r["flagged"] for r in benign) / max(len(benign), 1),
+        "judge_rate": len(judged) / max(len(results), 1),
+        "recall_by_category": {c: sum(r["action"] == "block" for r in rs) / len(rs) for c, rs in sorted(by_cat.items())},
+        "flag_recall_by_category": {c: sum(r["flagged"] for r in rs) / len(rs) for c, rs in sorted(by_cat.items())},
+        "latency_ms": {"rules_p50": _pct([r["rules_ms"] for r in results], 0.5),
+                       "rules_p99": _pct([r["rules_ms"] for r in results], 0.99),
+                       "judge_p50": _pct([r["judge_ms"] for r in judged], 0.5),
+                       "judge_p99": _pct([r["judge_ms"] for r in judged], 0.99)},
+        "missed_hacks": [r["id"] for r in hacks if r["action"] != "block"],
+        "false_blocks": [r["id"] for r in benign if r["action"] == "block"],
+        "results": results,
+    }
+
+
+def make_judge(path: str) -> LLMJudge:
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    model = raw.pop("model", "default")
+    config = JudgeConfig(**{k: v for k, v in raw.items() if k in JudgeConfig.__dataclass_fields__}, model=model)
+    if config.backend == "openai":
+        return LLMJudge(OpenAIJudgeBackend(config.endpoint, config.model, config.timeout_s), config)
+    if config.backend == "engine":
+        from rollout.chat import make_chat_format
+        from rollout.local_engine import LocalEngine
+
+        engine = LocalEngine.from_pretrained(model if model != "default" else "smollm2-135m-instruct")
+        return LLMJudge(EngineJudgeBackend(engine, engine.tokenizer, make_chat_format(raw.get("chat_format",
+                                                                                            "chatml"))), config)
+    raise SystemExit(f"judge backend must be 'engine' or 'openai', got {config.backend!r}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m antihack.evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", default=DEFAULT_CORPUS)
+    p.add_argument("--judge", default=None, help="judge config (YAML/JSON); default: rules only")
+    p.add_argument("--out", default=None, help="write the report as JSON")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    rows, skipped = load_corpus(args.corpus)
+    for index, reason in skipped:
+        print(f"corpus line {index} skipped: {reason}", file=sys.stderr)
+    guard = Guard(judge=make_judge(args.judge) if args.judge else None)
+    started = time.perf_counter()
+    report = summarize(asyncio.run(run(guard, rows)))
+    report["seconds"] = time.perf_counter() - started
+    report["skipped_lines"] = skipped
+    print(f"{report['n']} calls ({report['n_hack']} hack, {report['n_benign']} benign) in {report['seconds']:.1f} s")
+    print(f"recall {report['recall']:.3f} (flagged {report['flag_recall']:.3f})  precision {report['precision']:.3f}  "
+          f"false-block rate {report['false_block_rate']:.3f}  judge rate {report['judge_rate']:.3f}")
+    lat = report["latency_ms"]
+    print(f"latency: rules p50 {lat['rules_p50']:.2f} ms, p99 {lat['rules_p99']:.2f} ms; "
+          f"judge p50 {lat['judge_p50']:.0f} ms, p99 {lat['judge_p99']:.0f} ms")
+    print(f"{'category':<32} {'recall':>7} {'flagged':>8}")
+    for cat, rec in report["recall_by_category"].items():
+        print(f"{cat:<32} {rec:7.2f} {report['flag_recall_by_category'][cat]:8.2f}")
+    if report["missed_hacks"]:
+        print("missed hacks:", ", ".join(report["missed_hacks"]))
+    if report["false_blocks"]:
+        print("false blocks:", ", ".join(report["false_blocks"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""What one tool call does, as facts the rules can test: the shell commands it runs (scripts written earlier in
+the episode included), the paths it writes and reads, the files it writes with their content, and the findings
+in any Python it writes or runs. Computed once per call and shared by every rule."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass, field
+
+from antihack.pyast import Finding, inspect_python
+from antihack.shell import ShellCommand, parse_shell
+from antihack.types import GuardContext
+from environments.types import ToolCall
+
+READERS = {"cat", "head", "tail", "less", "more", "grep", "egrep", "fgrep", "rg", "ag", "sed", "awk", "nl", "od",
+           "xxd", "hexdump", "strings", "diff", "cmp", "wc", "sort", "uniq", "cut", "file", "stat", "ls", "find",
+           "tree", "du", "base64", "md5sum", "sha256sum", "python", "python3", "vim", "vi", "nano", "view", "bat",
+           "zcat", "tar", "unzip", "cp", "rsync", "ln", "git", "jq", "source", "."}
+MODIFIERS = {"rm", "mv", "cp", "sed", "perl", "truncate", "tee", "chmod", "chown", "ln", "touch", "unlink", "shred",
+             "install", "dd", "rsync", "patch", "git"}
+_PY_WRITE = re.compile(r"""open\(\s*['"]([^'"]+)['"]\s*,\s*['"][wax]""")
+_PY_PATHS = re.compile(r"""['"]((?:/workspace/|\./|tests/|/)[^'"\s]*)['"]""")
+_PY_OPEN_W = re.compile(r"""open\([^)]*['"][wax]b?['"]|\.write_text\(|\.write_bytes\(""")
+_PY_REMOVE = re.compile(r"""(?:os\.remove|os\.unlink|shutil\.rmtree|Path\(['"][^'"]+['"]\)\.unlink)\(\s*['"]?([^'")]*)""")
+
+
+def normalize(path: str) -> str:
+    """Workspace-relative, normalised path ('/workspace/./tests/x.py' → 'tests/x.py')."""
+    path = path.strip().strip("'\"")
+    for prefix in ("/workspace/", "~/workspace/"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    if path in ("/workspace", "~/workspace"):
+        return "."
+    return posixpath.normpath(path) if path else path
+
+
+@dataclass
+class CallFacts:
+    call: ToolCall
+    commands: list[ShellCommand] = field(default_factory=list)
+    writes: list[tuple[str, str | None]] = field(default_factory=list)  # (path, content if known)
+    modified: list[str] = field(default_factory=list)  # paths written, moved, deleted or edited
+    read: list[str] = field(default_factory=list)  # paths (or patterns) read or listed
+    python: list[tuple[str, str]] = field(default_factory=list)  # (origin, source) written or run
+    findings: list[tuple[str, Finding]] = field(default_factory=list)  # (origin, finding)
+    executed_scripts: list[str] = field(default_factory=list)  # earlier-written files this call runs
+    appended: list[str] = field(default_factory=list)  # paths written with >> (content is a fragment)
+    edits: list[tuple[str, str, str]] = field(default_factory=list)  # in-place edits: (path, pattern, new text)
+    text: str = ""  # all text of the call (command or written content), for textual checks
+
+    @property
+    def categories(self) -> set[str]:
+        return {f.category for _, f in self.findings}
+
+
+_SED_SUBST = re.compile(r"^s(.)(.*?)(?<!\\)\1(.*?)(?<!\\)\1[a-zA-Z0-9]*$", re.DOTALL)
+_SED_INSERT = re.compile(r"^(?:\d+|\$|/[^/]*/)?\s*[iac]\\?\s?(.*)$", re.DOTALL)
+
+
+def _unescape(text: str) -> str:
+    """printf / echo -e / sed escapes (\\n, \\t, \\xNN) as the shell would expand them."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except (UnicodeDecodeError, UnicodeEncodeError):
+        return text
+
+
+def _echo_content(cmd: ShellCommand) -> str:
+    words = cmd.argv[1:]
+    if cmd.name == "printf":
+        return _unescape(words[0]) if words else ""
+    escapes = any(w in ("-e", "-ne", "-en") for w in words)
+    text = " ".join(w for w in words if w not in ("-e", "-n", "-ne", "-en", "-E"))
+    return _unescape(text) if escapes or "\\n" in text else text
+
+
+def sed_texts(cmd: ShellCommand) -> list[tuple[str, str]]:
+    """(pattern, text inserted) of each sed/perl edit script: s/A/B/ gives (A, B), `1i text` gives ("", text)."""
+    scripts = []
+    argv = cmd.argv[1:]
+    for i, a in enumerate(argv):
+        if a == "-e" and i + 1 < len(argv):
+            scripts.append(argv[i + 1])
+    if not scripts:
+        scripts = [a for a in argv if not a.startswith("-")][:1]
+    out = []
+    for script in scripts:
+        for part in re.split(r";\s*(?=[0-9/$]?\s*[siac]\W)", script):
+            m = _SED_SUBST.match(part.strip())
+            if m:
+                out.append((m.group(2), _unescape(m.group(3).replace("\\n", "\n"))))
+                continue
+            m = _SED_INSERT.match(part.strip())
+            if m and m.group(1):
+                out.append(("", _unescape(m.group(1))))
+    return out
+
+
+def _command_paths(cmd: ShellCommand) -> list[str]:
+    return [a for a in cmd.argv[1:] if not a.startswith("-") or "/" in a]
+
+
+def _shell_facts(facts: CallFacts, commands: list[ShellCommand], context: GuardContext) -> None:
+    for cmd in commands:
+        facts.commands.append(cmd)
+        for op, target in cmd.redirects:
+            if ">" in op and not target.startswith("&") and target != "/dev/null":
+                content = cmd.stdin_script if cmd.name in ("cat", "tee") and cmd.stdin_script else None
+                if content is None and cmd.name in ("echo", "printf"):
+                    content = _echo_content(cmd)
+                facts.writes.append((target, content))
+                facts.modified.append(target)
+                if op == ">>":
+                    facts.appended.append(target)
+            elif op.startswith("<") and op not in ("<<", "<<<"):
+                facts.read.append(target)
+        name = cmd.name
+        args = _command_paths(cmd)
+        if name == "tee":
+            facts.modified += args
+            facts.writes += [(a, cmd.stdin_script or None) for a in args]
+        elif name in ("sed", "perl") and any(a.startswith(("-i", "-pi", "-0pi")) for a in cmd.argv):
+            target = [a for a in args if "/" in a or "." in a][-1:]  # the file edited in place
+            facts.modified += target
+            for pattern, text in sed_texts(cmd):
+                facts.edits.append((target[0] if target else "", pattern, text))
+                facts.text += "\n" + text
+        elif name in ("cp", "rsync", "install", "ln") and len(args) >= 2:
+            facts.modified.append(args[-1])
+            facts.read += args[:-1]
+        elif name == "mv":
+            facts.modified += args
+        elif name == "find" and any(a in ("-delete", "-exec", "-execdir") for a in cmd.argv):
+            root = args[0] if args else "."
+            pattern = cmd.argv[cmd.argv.index("-name") + 1] if "-name" in cmd.argv[:-1] else "*"
+            facts.modified.append(f"{root.rstrip('/')}/{pattern}" if root != "." else pattern)
+        elif name == "make" and "-f" in cmd.argv[:-1]:
+            _run_written(facts, cmd.argv[cmd.argv.index("-f") + 1], context, "make")
+        elif name in ("rm", "truncate", "unlink", "shred", "touch", "chmod", "chown", "dd"):
+            facts.modified += [a for a in args if not a.isdigit() and not re.fullmatch(r"[0-7]{3,4}|[ugoa]*[+-=][rwxst]+", a)]
+        elif name == "git" and len(cmd.argv) > 1 and cmd.argv[1] in ("rm", "mv", "checkout", "restore", "reset"):
+            facts.modified += [a for a in cmd.argv[2:] if not a.startswith("-") and a not in ("--", "HEAD")]
+        if name in READERS:
+            facts.read += args
+        if cmd.is_python:
+            for code in cmd.python_code:
+                facts.python.append(("python -c", code))
+            script = next((a for a in cmd.argv[1:] if a.endswith(".py")), None)
+            if script:
+                _run_written(facts, script, context, "python")
+        elif name in ("bash", "sh", "dash", "zsh", "source", ".") and len(cmd.argv) > 1:
+            _run_written(facts, cmd.argv[-1] if name in ("source", ".") else cmd.argv[1], context, "shell")
+        elif name.startswith("./") or cmd.argv and cmd.argv[0].startswith("./"):
+            _run_written(facts, cmd.argv[0], context, "shell")
+
+
+def _run_written(facts: CallFacts, path: str, context: GuardContext, kind: str) -> None:
+    """A call that runs a file written earlier in the episode is judged on what that file contains."""
+    key = normalize(path)
+    content = context.written.get(key)
+    if content is None:
+        return
+    facts.executed_scripts.append(key)
+    facts.text += "\n" + content
+    if kind == "python" or key.endswith(".py") or content.startswith("#!/usr/bin/env python"):
+        facts.python.append((key, content))
+    elif kind == "make":  # recipe lines are shell commands
+        recipe = "\n".join(line.strip() for line in content.splitlines() if line.startswith("\t"))
+        _shell_facts(facts, parse_shell(recipe), context)
+    else:
+        _shell_facts(facts, parse_shell(content), context)
+
+
+def call_facts(call: ToolCall, context: GuardContext) -> CallFacts:
+    facts = CallFacts(call)
+    args = call.arguments if isinstance(call.arguments, dict) else {}
+    if call.name == "bash" and isinstance(args.get("command"), str):
+        facts.text = args["command"]
+        _shell_facts(facts, parse_shell(args["command"]), context)
+    elif call.name == "write_file" and isinstance(args.get("path"), str):
+        content = str(args.get("content", ""))
+        facts.text = content
+        facts.writes.append((args["path"], content))
+        facts.modified.append(args["path"])
+    for path, content in facts.writes:
+        if content is not None and (path.endswith(".py") or content.lstrip().startswith(("import ", "from ", "def "))):
+            facts.python.append((normalize(path), content))
+    for path, pattern, text in facts.edits:
+        if path.endswith(".py") and text.strip():
+            facts.python.append((normalize(path), text))
+        if re.search(r"==|!=|\bis\b|return self", pattern) and re.fullmatch(r"\s*return (True|False)\s*", text):
+            facts.findings.append((normalize(path), Finding("always_equal", "an edit replaces a comparison by a "
+                                                                            "constant")))
+    test_like = context.is_test_path
+    for origin, source in list(facts.python):
+        parsed = _inspect(facts, origin, source, test_like(origin))
+        if parsed is not None:  # code that writes code: the strings it writes are code too
+            for literal in _code_literals(parsed):
+                _inspect(facts, origin, literal, test_like(origin))
+            if _PY_OPEN_W.search(source):
+                facts.modified += [p for p in _PY_PATHS.findall(source)]
+        facts.modified += _PY_WRITE.findall(source) + [m for m in _PY_REMOVE.findall(source) if m]
+        facts.read += _PY_PATHS.findall(source)
+        facts.text += "\n" + source
+    facts.modified = [normalize(p) for p in facts.modified if p]
+    facts.read = [normalize(p) for p in facts.read if p]
+    return facts
+
+
+def _inspect(facts: CallFacts, origin: str, source: str, is_test: bool):
+    """Findings of one piece of Python (a fragment is dedented and retried); returns its AST or None."""
+    import ast
+    import textwrap
+
+    for candidate in (source, textwrap.dedent(source), "def _fragment():\n" + textwrap.indent(source, "    ")):
+        findings, ok = inspect_python(candidate, origin, is_test_file=is_test)
+        if ok:
+            facts.findings += [(origin, f) for f in findings]
+            return ast.parse(candidate)
+    return None
+
+
+def _code_literals(tree) -> list[str]:
+    import ast
+
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and "\n" in n.value and re.search(r"\b(def|class|return|import|raise|exit|quit)\b", n.value)]
