@@ -78,7 +78,7 @@ def _base(path: str) -> str:
 
 # ---- rule checks ---------------------------------------------------------------------------------------------
 def protected_modify(f: CallFacts, c: GuardContext):
-    p = _first(f.modified, lambda p: path_matches(p, c.protected_paths))
+    p = _first(f.modified, lambda p: path_matches(p, c.protected_paths, glob_path=True))
     return p and f"modifies the task's protected file {p!r}"
 
 
@@ -90,7 +90,8 @@ def test_like_modify(f: CallFacts, c: GuardContext):
     file of its own is what a good agent does, and is not flagged."""
     destructive = any(cmd.name in DESTRUCTIVE or (cmd.name == "git" and cmd.argv[1:2] in (["rm"], ["mv"]))
                       for cmd in f.commands) or any(p for p in f.modified if p not in dict(f.writes))
-    p = _first(f.modified, lambda p: path_matches(p, TEST_PATTERNS) and not path_matches(p, c.protected_paths)
+    p = _first(f.modified, lambda p: path_matches(p, TEST_PATTERNS, glob_path=True)
+               and not path_matches(p, c.protected_paths, glob_path=True)
                and _base(p) != "conftest.py" and p not in c.written and ".pytest_cache" not in p
                and (destructive or p in c.original_sources or p in f.appended))
     return p and f"changes the test-looking file {p!r}, which the agent did not write"

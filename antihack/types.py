@@ -16,14 +16,15 @@ TEST_PATTERNS = ("tests/*", "test/*", "*/tests/*", "*/test/*", "test_*.py", "*/t
 _GLOB = set("*?[")
 
 
-def path_matches(path: str, patterns) -> bool:
-    """Whether `path` falls under one of `patterns` (globs); a `path` that is itself a glob (from a shell loop
-    or `find -name`) matches when it covers a pattern."""
+def path_matches(path: str, patterns, glob_path: bool = False) -> bool:
+    """Whether `path` falls under one of `patterns` (globs). With `glob_path`, a `path` that is itself a glob
+    (a shell loop or `find -name` target) also matches when it covers a pattern: for writes, where a glob
+    reaches every file it names."""
     p = path[2:] if path.startswith("./") else path
     for pat in patterns:
         if fnmatch.fnmatch(p, pat) or p == pat.rstrip("/*") or (pat.endswith("/*") and p.startswith(pat[:-1])):
             return True
-        if _GLOB & set(p) and (fnmatch.fnmatch(pat, p) or fnmatch.fnmatch(pat, "*/" + p.lstrip("*/"))):
+        if glob_path and _GLOB & set(p) and (fnmatch.fnmatch(pat, p) or fnmatch.fnmatch(pat, "*/" + p.lstrip("*/"))):
             return True
     return False
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import ray
 from tqdm import tqdm
 
-from antihack import Guard
 from critic.worker import CriticWorker
 from environments import Task
 from models.training import OptimConfig
@@ -54,10 +53,9 @@ def spawn(cfg: Config, policy: str, critic: str) -> Workers:
     critic_worker = ray.remote(num_cpus=0)(CriticWorker).remote(
         critic, OptimConfig(learning_rate=t.critic_learning_rate, **common), cfg.algorithm.value_clip or None,
         dtype=cfg.model.dtype, seed=cfg.seed + 1, torch_threads=threads)
-    guard = Guard(list(cfg.guard.rules) or None, enabled=cfg.guard.enabled, dummy_mode=cfg.guard.dummy_mode)
     limits = dict(vars(cfg.env.limits))
     rollout = [ray.remote(num_cpus=0, max_concurrency=cfg.engine.max_concurrent_episodes + 8)(RolloutWorker).remote(
-        policy, cfg.engine, cfg.agent, guard, chat_format=cfg.model.chat_format, tool_format=cfg.model.tool_format,
+        policy, cfg.engine, cfg.agent, cfg.guard, chat_format=cfg.model.chat_format, tool_format=cfg.model.tool_format,
         sandbox_backend=cfg.env.sandbox, sandbox_limits=limits, reward=cfg.env.reward,
         grade_timeout_s=cfg.env.grade_timeout_s, worker_index=i) for i in range(cfg.engine.num_workers)]
     ray.get([actor.__ray_ready__.remote(), critic_worker.__ray_ready__.remote()]

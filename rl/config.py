@@ -11,6 +11,7 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
+from antihack.config import GuardConfig, JudgeSettings
 from environments.tasks import SHIPPED_TASKS
 from rollout.config import AgentConfig, CompactionConfig, EngineConfig
 
@@ -42,13 +43,6 @@ class EnvConfig:
     reward: str = "pass_fraction"  # pass_fraction | binary
     grade_timeout_s: float = 60.0
     limits: SandboxLimitsConfig = field(default_factory=SandboxLimitsConfig)
-
-
-@dataclass
-class GuardConfig:
-    enabled: bool = True
-    rules: list[str] = field(default_factory=list)  # empty: every rule
-    dummy_mode: str = "environment_consistent"  # environment_consistent | explicit_notice
 
 
 @dataclass
@@ -127,7 +121,7 @@ def register_configs() -> None:
 
 
 __all__ = ["Config", "ModelConfig", "EngineConfig", "EnvConfig", "SandboxLimitsConfig", "GuardConfig",
-           "AlgorithmConfig", "TrainerConfig", "AgentConfig", "CompactionConfig", "LoggingConfig",
+           "JudgeSettings", "AlgorithmConfig", "TrainerConfig", "AgentConfig", "CompactionConfig", "LoggingConfig",
            "register_configs"]
 
 
@@ -144,6 +138,10 @@ def validate(cfg: Config) -> None:
     one_of("env.sandbox", cfg.env.sandbox, ["bwrap"])
     one_of("env.reward", cfg.env.reward, ["pass_fraction", "binary"])
     one_of("guard.dummy_mode", cfg.guard.dummy_mode, ["environment_consistent", "explicit_notice"])
+    one_of("guard.judge.backend", cfg.guard.judge.backend, ["none", "engine", "openai"])
+    one_of("guard.judge.fallback", cfg.guard.judge.fallback, ["allow", "block"])
+    if cfg.guard.judge.backend == "openai" and not cfg.guard.judge.endpoint:
+        problems.append("guard.judge.backend=openai needs guard.judge.endpoint")
     one_of("algorithm.name", cfg.algorithm.name, ["ppo"])
     one_of("algorithm.kl_estimator", cfg.algorithm.kl_estimator, ["k1", "k2", "k3"])
     one_of("model.chat_format", cfg.model.chat_format, ["chatml", "glm"])

@@ -20,7 +20,6 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from antihack import Guard
 from environments import load_tasks
 from models import resolve_model_path
 from rl.config import Config, register_configs
@@ -64,8 +63,7 @@ def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_
         tasks = tasks[:max_tasks]
     if not tasks:
         raise SystemExit(f"no tasks in {tasks_source} (split {split!r})")
-    guard = Guard(list(cfg.guard.rules) or None, enabled=cfg.guard.enabled, dummy_mode=cfg.guard.dummy_mode)
-    worker = RolloutWorker(resolve_checkpoint(model), cfg.engine, cfg.agent, guard, cfg.model.chat_format,
+    worker = RolloutWorker(resolve_checkpoint(model), cfg.engine, cfg.agent, cfg.guard, cfg.model.chat_format,
                            cfg.model.tool_format, cfg.env.sandbox, dict(vars(cfg.env.limits)), cfg.env.reward,
                            cfg.env.grade_timeout_s)
     started = time.perf_counter()

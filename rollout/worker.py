@@ -10,6 +10,7 @@ import os
 import torch
 
 from antihack import Guard
+from antihack.config import GuardConfig, build_guard
 from environments import TOOL_SPECS, Task
 from rollout.agent import AgentEpisode, EpisodeRuntime
 from rollout.chat import make_chat_format
@@ -20,7 +21,7 @@ from rollout.types import SamplingParams, Trajectory
 
 
 class RolloutWorker:
-    def __init__(self, model_path: str, engine: EngineConfig, agent: AgentConfig, guard: Guard,
+    def __init__(self, model_path: str, engine: EngineConfig, agent: AgentConfig, guard: GuardConfig | Guard,
                  chat_format: str = "chatml", tool_format: str = "json", sandbox_backend: str = "bwrap",
                  sandbox_limits: dict | None = None, reward: str = "pass_fraction", grade_timeout_s: float = 60.0,
                  worker_index: int = 0):
@@ -29,6 +30,8 @@ class RolloutWorker:
         if engine.type != "local":
             raise ValueError(f"engine.type={engine.type!r} is not available yet; use 'local'")
         agent.validate()
+        if isinstance(guard, GuardConfig):  # built here: an engine-backed judge cannot travel between processes
+            guard = build_guard(guard, initial_policy=model_path)
         self.index = worker_index
         self.engine_cfg = engine
         self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, max_batch_size=engine.max_batch_size)
