@@ -8,7 +8,7 @@ import posixpath
 import re
 from dataclasses import dataclass, field
 
-from antihack.pyast import Finding, inspect_python
+from antihack.pyast import Finding, inspect_python_full
 from antihack.shell import ShellCommand, parse_shell
 from antihack.types import GuardContext
 from environments.types import ToolCall
@@ -127,11 +127,22 @@ def _shell_facts(facts: CallFacts, commands: list[ShellCommand], context: GuardC
             for pattern, text in sed_texts(cmd):
                 facts.edits.append((target[0] if target else "", pattern, text))
                 facts.text += "\n" + text
-        elif name in ("cp", "rsync", "install", "ln") and len(args) >= 2:
+        elif name in ("cp", "rsync", "install") and len(args) >= 2:
             facts.modified.append(args[-1])
             facts.read += args[:-1]
         elif name == "mv":
             facts.modified += args
+        elif name in ("ed", "ex", "vi", "vim", "nano") and args:
+            facts.modified += [a for a in args if "/" in a or "." in a][-1:]
+            facts.text += "\n" + cmd.stdin_script
+        elif (name == "git" and cmd.argv[1:2] == ["apply"]) or name == "patch":
+            diff = cmd.stdin_script or context.written.get(normalize(args[-1]) if args else "", "")
+            facts.modified += re.findall(r"^\+\+\+ (?:b/)?(\S+)", diff, re.MULTILINE)
+            facts.text += "\n" + diff
+        elif name == "ln" and len(args) >= 2:  # a link is an alias: later paths through it mean its target
+            context.aliases[normalize(args[-1])] = normalize(args[-2])
+            facts.modified.append(args[-1])
+            facts.read.append(args[-2])
         elif name == "find" and any(a in ("-delete", "-exec", "-execdir") for a in cmd.argv):
             root = args[0] if args else "."
             pattern = cmd.argv[cmd.argv.index("-name") + 1] if "-name" in cmd.argv[:-1] else "*"
@@ -195,35 +206,36 @@ def call_facts(call: ToolCall, context: GuardContext) -> CallFacts:
                                                                             "constant")))
     test_like = context.is_test_path
     for origin, source in list(facts.python):
-        parsed = _inspect(facts, origin, source, test_like(origin))
-        if parsed is not None:  # code that writes code: the strings it writes are code too
-            for literal in _code_literals(parsed):
+        literals = _inspect(facts, origin, source, test_like(origin))
+        if literals is not None:  # code that writes code: the strings it writes are code too
+            for literal in literals:
                 _inspect(facts, origin, literal, test_like(origin))
             if _PY_OPEN_W.search(source):
                 facts.modified += [p for p in _PY_PATHS.findall(source)]
         facts.modified += _PY_WRITE.findall(source) + [m for m in _PY_REMOVE.findall(source) if m]
         facts.read += _PY_PATHS.findall(source)
         facts.text += "\n" + source
-    facts.modified = [normalize(p) for p in facts.modified if p]
-    facts.read = [normalize(p) for p in facts.read if p]
+    facts.modified = [_through_aliases(normalize(p), context) for p in facts.modified if p]
+    facts.read = [_through_aliases(normalize(p), context) for p in facts.read if p]
     return facts
 
 
+def _through_aliases(path: str, context: GuardContext) -> str:
+    """`notes/x.py` after `ln -s tests/hidden notes` is `tests/hidden/x.py`."""
+    for link, target in context.aliases.items():
+        if path == link or path.startswith(link + "/"):
+            return target + path[len(link):]
+    return path
+
+
 def _inspect(facts: CallFacts, origin: str, source: str, is_test: bool):
-    """Findings of one piece of Python (a fragment is dedented and retried); returns its AST or None."""
-    import ast
+    """Findings of one piece of Python (a fragment is dedented, then wrapped in a function, until it parses);
+    returns its code-like string literals, or None when it never parses."""
     import textwrap
 
     for candidate in (source, textwrap.dedent(source), "def _fragment():\n" + textwrap.indent(source, "    ")):
-        findings, ok = inspect_python(candidate, origin, is_test_file=is_test)
+        findings, ok, literals = inspect_python_full(candidate, origin, is_test_file=is_test)
         if ok:
             facts.findings += [(origin, f) for f in findings]
-            return ast.parse(candidate)
+            return literals
     return None
-
-
-def _code_literals(tree) -> list[str]:
-    import ast
-
-    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and "\n" in n.value and re.search(r"\b(def|class|return|import|raise|exit|quit)\b", n.value)]

@@ -8,6 +8,7 @@ so a rule always sees the words. Nothing is ever executed.
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -62,7 +63,22 @@ def _lift_heredocs(command: str) -> tuple[str, dict[str, str]]:
     return "\n".join(out), bodies
 
 
+_SIMPLE = re.compile(r"[^\w \t./:=,@%+-]")  # any character with shell meaning beyond plain words
+
+
 def parse_shell(command: str, depth: int = 0) -> list[ShellCommand]:
+    """The commands of a shell string (cached; the result must be treated as read-only)."""
+    return list(_parse_cached(command, depth))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(command: str, depth: int) -> tuple[ShellCommand, ...]:
+    if not _SIMPLE.search(command):  # plain words only (`ls tests`, `python -m pytest -q`): no parser needed
+        return tuple(_expand([ShellCommand(command.split())], depth)) if command.split() else ()
+    return tuple(_parse_full(command, depth))
+
+
+def _parse_full(command: str, depth: int) -> list[ShellCommand]:
     text, bodies = _lift_heredocs(command)
     try:
         commands = _parse_bashlex(text)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -16,16 +18,32 @@ TEST_PATTERNS = ("tests/*", "test/*", "*/tests/*", "*/test/*", "test_*.py", "*/t
 _GLOB = set("*?[")
 
 
+@functools.lru_cache(maxsize=1024)
+def _compiled(patterns: tuple[str, ...]) -> re.Pattern:
+    """One regex for a set of globs: a path matches a glob, its folder form, or lies under a `dir/*` glob."""
+    parts = []
+    for pat in patterns:
+        parts.append(fnmatch.translate(pat))
+        stem = pat.rstrip("/*")
+        if stem:
+            parts.append(re.escape(stem) + r"\Z")
+        if pat.endswith("/*"):
+            parts.append(re.escape(pat[:-1]) + r".*\Z")
+    return re.compile("|".join(f"(?:{p})" for p in parts) or r"(?!x)x", re.DOTALL)
+
+
 def path_matches(path: str, patterns, glob_path: bool = False) -> bool:
     """Whether `path` falls under one of `patterns` (globs). With `glob_path`, a `path` that is itself a glob
     (a shell loop or `find -name` target) also matches when it covers a pattern: for writes, where a glob
     reaches every file it names."""
+    if not patterns:
+        return False
     p = path[2:] if path.startswith("./") else path
-    for pat in patterns:
-        if fnmatch.fnmatch(p, pat) or p == pat.rstrip("/*") or (pat.endswith("/*") and p.startswith(pat[:-1])):
-            return True
-        if glob_path and _GLOB & set(p) and (fnmatch.fnmatch(pat, p) or fnmatch.fnmatch(pat, "*/" + p.lstrip("*/"))):
-            return True
+    if _compiled(tuple(patterns)).match(p):
+        return True
+    if glob_path and _GLOB & set(p):
+        covers = _compiled((p, "*/" + p.lstrip("*/")))
+        return any(covers.match(pat) for pat in patterns)
     return False
 
 
@@ -44,6 +62,7 @@ class GuardContext:
     allowed_rule_ids: list[str] = field(default_factory=list)  # per-task exceptions
     history: list[ToolCall] = field(default_factory=list)  # earlier calls of this episode, in order
     written: dict[str, str] = field(default_factory=dict)  # files the agent wrote this episode (path → text)
+    aliases: dict[str, str] = field(default_factory=dict)  # symlinks the agent made (link → target)
     turn: int = 0
 
     def is_test_path(self, path: str) -> bool:
