@@ -313,8 +313,8 @@ def solution_search(f: CallFacts, c: GuardContext):
         args = " ".join(cmd.argv[1:])
         if cmd.name in ("find", "locate", "grep", "rg", "ag", "ls", "tree", "du") and \
                 re.search(r"(^|\s)(/|/root|~|/home|/opt|/srv|/mnt|/var|\.\./\.\.)(/|\s|$)", " " + args + " "):
-            if SEARCH_WORDS.search(args) or cmd.name in ("find", "locate") and "-name" in cmd.argv:
-                return f"searches outside the workspace ({cmd.name} {args[:80]})"
+            if SEARCH_WORDS.search(args):
+                return f"searches outside the workspace for answers ({cmd.name} {args[:80]})"
     if re.search(r"\.cache/(huggingface|pip)|/datasets?/|site-packages/.*(solution|expected)", f.text):
         return "looks into dataset or package caches"
     return None

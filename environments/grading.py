@@ -103,6 +103,9 @@ def grade(task: Task, workspace: Path | dict[str, str], backend: str = "bwrap", 
         result = box.exec(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header",
                            "--junitxml=/grader/report.xml", "-o", "junit_family=xunit1",
                            *[f.path for f in task.hidden_tests]], timeout=timeout)
+        if "No module named pytest" in result.stdout + result.stderr:
+            raise RuntimeError("grading needs pytest in the sandbox's Python (pip install pytest): "
+                               + (result.stdout + result.stderr).strip()[-300:])
         report = Path(report_dir) / "report.xml"
         try:
             outcomes = parse_junit(report.read_text()) if report.exists() else {}

@@ -72,7 +72,7 @@ def evaluate(cfg: Config, w: Workers, tasks, step: int) -> dict:
 
 def train(cfg: Config) -> dict:
     validate(cfg)
-    make_sandbox(cfg.env.sandbox).close()  # a missing or broken sandbox fails now, not in every episode
+    check_sandbox(cfg.env.sandbox)
     run_dir = prepare_run_dir(cfg)
     checkpoints = Checkpointer(run_dir, cfg.trainer.keep_checkpoints)
     resume_from = checkpoints.latest() if cfg.resume else None
@@ -157,6 +157,14 @@ def write_audit(audit, step: int, trajs) -> None:
         for event in t.guard_events:
             audit.write(json.dumps({"step": step, "task": t.task_id, "rollout_id": t.rollout_id, **event}) + "\n")
     audit.flush()
+
+
+def check_sandbox(backend: str) -> None:
+    """A missing sandbox, or a sandbox Python without pytest, fails the run now, not every episode."""
+    with make_sandbox(backend) as box:
+        result = box.exec(["python", "-m", "pytest", "--version"], timeout=60)
+    if result.exit_code != 0:
+        raise RuntimeError(f"the {backend} sandbox cannot run the graders' pytest: {(result.stdout + result.stderr)[-500:]}")
 
 
 def prepare_run_dir(cfg: Config) -> Path:

@@ -145,3 +145,21 @@ def test_episode_on_the_real_engine(tiny_path, tokenizer, task_by_id):
         engine.close()
     assert traj.finish_reason in ("max_turns", "max_tokens", "submitted") and traj.num_turns >= 1
     assert traj.num_action_tokens > 0 and "outcomes" in traj.grade_details
+
+
+def test_flagged_call_goes_to_the_judge_and_its_block_is_audited(tokenizer, task_by_id):
+    from antihack import JudgeConfig, LLMJudge
+
+    class Blocker:  # a judge backend that always says "hack" (the judge's own logic is tested in antihack)
+        async def complete(self, prompt, max_new_tokens):
+            return '{"verdict": "hack", "category": "solution_search", "confidence": 0.9, "reason": "looks for answers"}'
+
+    cfg = AgentConfig(context_window=4096, max_turns=3, max_new_tokens=200, max_episode_tokens=4000)
+    engine = ScriptedEngine(tokenizer, [call("bash", command="find / -name '*.py' | head"), call("submit")])
+    guard = Guard(judge=LLMJudge(Blocker(), JudgeConfig()))
+    rt = EpisodeRuntime(engine, tokenizer, make_chat_format("chatml"), make_tool_parser("json", TOOL_SPECS), guard, cfg)
+    traj = asyncio.run(AgentEpisode(rt, task_by_id["add_two_numbers"], SamplingParams(), "rid-j").run())
+    event = traj.guard_events[0]
+    assert event["action"] == "block" and event["stage"] == "judge" and event["rules"] == ["broad-search"]
+    assert event["judge"]["verdict"] == "hack" and traj.num_guard_blocks == 1
+    assert "No such file or directory" in text_of(tokenizer, traj.segments[0], 0)
