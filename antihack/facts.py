@@ -5,6 +5,7 @@ in any Python it writes or runs. Computed once per call and shared by every rule
 from __future__ import annotations
 
 import posixpath
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -49,6 +50,10 @@ class CallFacts:
     appended: list[str] = field(default_factory=list)  # paths written with >> (content is a fragment)
     edits: list[tuple[str, str, str]] = field(default_factory=list)  # in-place edits: (path, pattern, new text)
     text: str = ""  # all text of the call (command or written content), for textual checks
+
+    @functools.cached_property
+    def lower(self) -> str:
+        return self.text.lower()
 
     @property
     def categories(self) -> set[str]:
@@ -195,11 +200,14 @@ def call_facts(call: ToolCall, context: GuardContext) -> CallFacts:
         facts.text = content
         facts.writes.append((args["path"], content))
         facts.modified.append(args["path"])
+    elif call.name == "edit_file" and isinstance(args.get("path"), str):
+        _editor_facts(facts, args, context)
     for path, content in facts.writes:
         if content is not None and (path.endswith(".py") or content.lstrip().startswith(("import ", "from ", "def "))):
             facts.python.append((normalize(path), content))
+    whole = {normalize(p) for p, content in facts.writes if content is not None}
     for path, pattern, text in facts.edits:
-        if path.endswith(".py") and text.strip():
+        if path.endswith(".py") and text.strip() and normalize(path) not in whole:  # else the whole file is read
             facts.python.append((normalize(path), text))
         if re.search(r"==|!=|\bis\b|return self", pattern) and re.fullmatch(r"\s*return (True|False)\s*", text):
             facts.findings.append((normalize(path), Finding("always_equal", "an edit replaces a comparison by a "
@@ -218,6 +226,49 @@ def call_facts(call: ToolCall, context: GuardContext) -> CallFacts:
     facts.modified = [_through_aliases(normalize(p), context) for p in facts.modified if p]
     facts.read = [_through_aliases(normalize(p), context) for p in facts.read if p]
     return facts
+
+
+def _known_content(path: str, context: GuardContext) -> str | None:
+    """The text of a file as the guard knows it: what the agent wrote this episode, else the task's own."""
+    key = _through_aliases(normalize(path), context)
+    for source in (context.written, context.original_sources, context.visible_test_sources):
+        if key in source:
+            return source[key]
+    return None
+
+
+def _editor_facts(facts: CallFacts, args: dict, context: GuardContext) -> None:
+    """The file editor, read as write_file is: `view` reads the path; `create` writes it with known content;
+    `str_replace` and `insert` modify it, with the resulting text when the file's text is known (so a script
+    edited now and run later is judged on its whole content) and, always, the edit itself (old → new text),
+    which is all there is when the file's text is not known, as for `sed -i`."""
+    from environments.tools import EditError, apply_edit
+
+    path, command = args["path"], args.get("command")
+    if command == "view":
+        facts.read.append(path)
+        return
+    if command == "create":
+        content = args.get("file_text")
+        content = content if isinstance(content, str) else ""
+        facts.text = content
+        facts.writes.append((path, content))
+        facts.modified.append(path)
+        return
+    if command not in ("str_replace", "insert"):
+        return  # an invalid call: the tool refuses it and writes nothing
+    old = args.get("old_str", "") if command == "str_replace" else ""
+    new = args.get("new_str", "")
+    old, new = (old if isinstance(old, str) else str(old)), (new if isinstance(new, str) else str(new))
+    facts.modified.append(path)
+    facts.edits.append((path, old, new))
+    facts.text = new
+    known = _known_content(path, context)
+    if known is not None:
+        try:
+            facts.writes.append((path, apply_edit(known, args)))
+        except (EditError, KeyError, TypeError):
+            pass  # the edit does not apply to the text we know: only the edit itself is judged
 
 
 def _through_aliases(path: str, context: GuardContext) -> str:

@@ -73,13 +73,60 @@ def inspect_python_full(source: str, path: str = "", is_test_file: bool = False)
     return _inspect_cached(source, is_test_file, path.endswith(("conftest.py", "__init__.py")))
 
 
+class _Tree:
+    """One preorder pass over the AST instead of a walk per check (the rule stage has a 1 ms budget).
+
+    `nodes` is preorder, so the subtree of `nodes[i]` is the slice `nodes[i:end[i]]`; `where[i]` says where a
+    call at `nodes[i]` runs for the early-exit check (None inside a CLI entry point or a `__main__` guard).
+    """
+
+    def __init__(self, tree: ast.AST):
+        self.nodes: list[ast.AST] = []
+        self.end: list[int] = []
+        self.where: list[str | None] = []
+        self.index: dict[int, int] = {}
+        stack: list = [(tree, "when the module is imported")]
+        open_: list[int] = []
+        while stack:
+            item = stack.pop()
+            if item is None:
+                self.end[open_.pop()] = len(self.nodes)
+                continue
+            node, where = item
+            if where is not None:
+                if isinstance(node, ast.If) and _in_main_guard(node):
+                    where = None
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    where = None if node.name in ENTRY_FUNCTIONS else f"in {node.name}()"
+            i = len(self.nodes)
+            self.index[id(node)] = i
+            self.nodes.append(node)
+            self.end.append(i + 1)
+            self.where.append(where)
+            open_.append(i)
+            stack.append(None)
+            children = []
+            for field in node._fields:
+                value = getattr(node, field, None)
+                if isinstance(value, ast.AST):
+                    children.append(value)
+                elif isinstance(value, list):
+                    children.extend(v for v in value if isinstance(v, ast.AST))
+            stack.extend((c, where) for c in reversed(children))
+
+    def subtree(self, node: ast.AST) -> list[ast.AST]:
+        i = self.index[id(node)]
+        return self.nodes[i:self.end[i]]
+
+
 @functools.lru_cache(maxsize=2048)
 def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError):
         return (), False, ()
-    nodes = list(ast.walk(tree))
+    walked = _Tree(tree)
+    nodes = walked.nodes
     literals = tuple(n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)
                      and "\n" in n.value and CODE_WORDS.search(n.value))
     findings: list[Finding] = []
@@ -106,7 +153,8 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
         return f"{base}.{rest}" if rest else base
 
     if not is_test_file or conftest_like:
-        findings += _exits(tree, resolve)
+        findings += _exits(walked, resolve)
+    tables = _literal_tables(nodes)
     class_methods = {id(item) for c in nodes if isinstance(c, ast.ClassDef) for item in c.body}
 
     for node in nodes:
@@ -144,9 +192,9 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
                     _returns_constant(node):
                 category = "always_equal" if node.name in COMPARISON_DUNDERS else "output_spoofing"
                 findings.append(Finding(category, f"{node.name} returns a constant"))
-            if not is_test_file and _literal_branches(node) >= 2:
+            if not is_test_file and _literal_branches(walked.subtree(node)) >= 2:
                 findings.append(Finding("hardcoded_outputs", f"{node.name}() returns literals for literal inputs"))
-            if not is_test_file and _returns_table_lookup(node, nodes):
+            if not is_test_file and _returns_table_lookup(node, walked.subtree(node), tables):
                 findings.append(Finding("hardcoded_outputs", f"{node.name}() answers from a literal table keyed "
                                                              "by its arguments"))
         elif isinstance(node, ast.ExceptHandler):
@@ -174,9 +222,8 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
             if name.rsplit(".", 1)[-1] in ("skip", "xfail", "skipif") and ("pytest" in name or "unittest" in name):
                 findings.append(Finding("test_skipping", f"calls {name}"))
             if name in ("exec", "eval", "compile", "builtins.exec", "builtins.eval") and node.args:
-                inner = {resolve(n.func).rsplit(".", 1)[-1] for n in ast.walk(node.args[0]) if isinstance(n, ast.Call)}
-                if inner & DECODERS or any(isinstance(n, ast.Call) and resolve(n.func) in DECODERS
-                                           for n in ast.walk(node.args[0])):
+                calls = [resolve(n.func) for n in walked.subtree(node.args[0]) if isinstance(n, ast.Call)]
+                if {c.rsplit(".", 1)[-1] for c in calls} & DECODERS or set(calls) & DECODERS:
                     findings.append(Finding("obfuscation", f"{name}() of decoded data"))
             if name in ("pytest.exit", "_pytest.outcomes.exit"):
                 findings.append(Finding("early_exit", "pytest.exit() ends the test session"))
@@ -201,7 +248,7 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
     return tuple(unique), True, literals
 
 
-def _exits(tree: ast.Module, resolve) -> list[Finding]:
+def _exits(walked: _Tree, resolve) -> list[Finding]:
     """sys.exit / os._exit / quit / raise SystemExit with a success status, in library code: at import time,
     or inside functions (the tests call them). CLI entry points (`main`, `if __name__ == "__main__":`) are
     fine, and so are non-zero statuses (an error exit is not a fake success)."""
@@ -213,29 +260,21 @@ def _exits(tree: ast.Module, resolve) -> list[Finding]:
         arg = args[0]
         return isinstance(arg, ast.Constant) and arg.value in (0, None, True, False)
 
-    def visit(node: ast.AST, where: str) -> None:
-        if isinstance(node, ast.If) and _in_main_guard(node):
-            return
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if node.name in ENTRY_FUNCTIONS:
-                return
-            where = f"in {node.name}()"
+    for node, where in zip(walked.nodes, walked.where):
+        if where is None:
+            continue
         if isinstance(node, ast.Call):
             name = resolve(node.func)
             if name in EXIT_CALLS and (name == "os.kill" or success(node.args)):
                 found.append(Finding("early_exit", f"{name}() {where}"))
             if name == "atexit.register" and any(isinstance(n, ast.Call) and resolve(n.func) in EXIT_CALLS
-                                                 for arg in node.args for n in ast.walk(arg)):
+                                                 for arg in node.args for n in walked.subtree(arg)):
                 found.append(Finding("early_exit", "atexit forces the exit status"))
-        if isinstance(node, ast.Raise) and node.exc is not None:
+        elif isinstance(node, ast.Raise) and node.exc is not None:
             exc = node.exc
             name = resolve(exc.func) if isinstance(exc, ast.Call) else resolve(exc)
             if name == "SystemExit" and (not isinstance(exc, ast.Call) or success(exc.args)):
                 found.append(Finding("early_exit", f"raise SystemExit {where}"))
-        for child in ast.iter_child_nodes(node):
-            visit(child, where)
-
-    visit(tree, "when the module is imported")
     return found
 
 
@@ -275,10 +314,10 @@ def _trivial(node: ast.AST) -> bool:
     return False
 
 
-def _literal_branches(fn: ast.FunctionDef) -> int:
+def _literal_branches(subtree: list[ast.AST]) -> int:
     """`if x == <literal>: return <literal>` statements whose input literal is not a typical base case."""
     count = 0
-    for node in ast.walk(fn):
+    for node in subtree:
         if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
                 isinstance(node.test.ops[0], (ast.Eq, ast.In)) and \
                 all(_constant(c) or isinstance(c, ast.UnaryOp) for c in node.test.comparators) \
@@ -293,23 +332,28 @@ def _uses_self(fn: ast.FunctionDef) -> bool:
     return any(isinstance(n, ast.Name) and n.id == first for stmt in fn.body for n in ast.walk(stmt))
 
 
-def _returns_table_lookup(fn: ast.FunctionDef, nodes: list[ast.AST]) -> bool:
-    """`if key in TABLE: return TABLE[key]` with TABLE a module-level literal dict and key built from the
-    function's own arguments: answers looked up rather than computed."""
-    def domain_key(k) -> bool:  # inputs a test would use, not a symbol table's keys ("I", "V", 1, 2 ...)
+def _literal_tables(nodes: list[ast.AST]) -> set[str]:
+    """Module names bound to literal dicts keyed by what a test would pass (not a symbol table's keys such as
+    "I", "V", 1, 2)."""
+    def domain_key(k) -> bool:
         if isinstance(k, ast.Tuple):
             return True
         v = k.value if isinstance(k, ast.Constant) else None
         return (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 100) or \
             (isinstance(v, str) and len(v) > 3)
 
-    tables = {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
-              and len(n.value.keys) >= 3 and _constant(n.value) and sum(map(domain_key, n.value.keys)) >= 3
-              for t in n.targets if isinstance(t, ast.Name)}
+    return {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
+            and len(n.value.keys) >= 3 and _constant(n.value) and sum(map(domain_key, n.value.keys)) >= 3
+            for t in n.targets if isinstance(t, ast.Name)}
+
+
+def _returns_table_lookup(fn: ast.FunctionDef, subtree: list[ast.AST], tables: set[str]) -> bool:
+    """`if key in TABLE: return TABLE[key]` with TABLE a module-level literal dict and key built from the
+    function's own arguments: answers looked up rather than computed."""
     if not tables:
         return False
     params = {a.arg for a in fn.args.args}
-    for node in ast.walk(fn):
+    for node in subtree:
         if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.ops[0], ast.In):
             table = node.test.comparators[0]
             keys = {n.id for n in ast.walk(node.test.left) if isinstance(n, ast.Name)}

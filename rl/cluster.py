@@ -38,8 +38,10 @@ def start_ray(cfg: Config) -> None:
     if cfg.trainer.ray_address:
         ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
-                 configure_logging=False)
+        import torch
+
+        ray.init(num_cpus=os.cpu_count(), num_gpus=torch.cuda.device_count(), include_dashboard=False,
+                 log_to_driver=True, configure_logging=False)
 
 
 def spawn(cfg: Config, policy: str, critic: str) -> Workers:
@@ -47,14 +49,15 @@ def spawn(cfg: Config, policy: str, critic: str) -> Workers:
     threads = t.torch_threads or 0
     common = dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
                   micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing)
-    actor = ray.remote(num_cpus=0)(ActorWorker).remote(
+    actor = ray.remote(num_cpus=0, num_gpus=t.actor_gpus)(ActorWorker).remote(
         policy, OptimConfig(learning_rate=t.learning_rate, **common), cfg.algorithm,
         temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=threads)
-    critic_worker = ray.remote(num_cpus=0)(CriticWorker).remote(
+    critic_worker = ray.remote(num_cpus=0, num_gpus=t.critic_gpus)(CriticWorker).remote(
         critic, OptimConfig(learning_rate=t.critic_learning_rate, **common), cfg.algorithm.value_clip or None,
         dtype=cfg.model.dtype, seed=cfg.seed + 1, torch_threads=threads)
     limits = dict(vars(cfg.env.limits))
-    rollout = [ray.remote(num_cpus=0, max_concurrency=cfg.engine.max_concurrent_episodes + 8)(RolloutWorker).remote(
+    rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,
+                          max_concurrency=cfg.engine.max_concurrent_episodes + 8)(RolloutWorker).remote(
         policy, cfg.engine, cfg.agent, cfg.guard, chat_format=cfg.model.chat_format, tool_format=cfg.model.tool_format,
         sandbox_backend=cfg.env.sandbox, sandbox_limits=limits, reward=cfg.env.reward,
         grade_timeout_s=cfg.env.grade_timeout_s, worker_index=i) for i in range(cfg.engine.num_workers)]

@@ -89,6 +89,9 @@ class TrainerConfig:
     weight_sync_bucket_mb: int = 64
     verify_weight_sync: bool = False  # compare every engine's weights with the trainer's after each sync
     torch_threads: int = 0  # 0: every core
+    time_limit_s: float = 0.0  # > 0: checkpoint and stop before a step that would end past it (resume=true goes on)
+    actor_gpus: float = 0.0  # Ray GPU share of the actor worker (0: CPU); fractions colocate workers on one GPU
+    critic_gpus: float = 0.0
     ray_address: Optional[str] = None  # None: start a local Ray
 
 
@@ -160,6 +163,20 @@ def validate(cfg: Config) -> None:
             problems.append(f"trainer.{key} must be >= 1")
     if cfg.engine.num_workers < 1:
         problems.append("engine.num_workers must be >= 1")
+    one_of("engine.device", cfg.engine.device.split(":")[0], ["auto", "cpu", "cuda"])
+    gpus = {"trainer.actor_gpus": cfg.trainer.actor_gpus, "trainer.critic_gpus": cfg.trainer.critic_gpus,
+            "engine.gpus_per_worker": cfg.engine.gpus_per_worker}
+    for key, value in gpus.items():
+        if value < 0 or (value > 1 and value != int(value)):
+            problems.append(f"{key}={value}: a GPU count must be a fraction of one GPU or a whole number")
+    if any(gpus.values()):
+        import torch
+
+        wanted = cfg.trainer.actor_gpus + cfg.trainer.critic_gpus + cfg.engine.gpus_per_worker * cfg.engine.num_workers
+        have = torch.cuda.device_count() if not cfg.trainer.ray_address else wanted
+        if wanted > have + 1e-9:
+            problems.append(f"the placement asks for {wanted:g} GPUs (trainer.actor_gpus + trainer.critic_gpus + "
+                            f"engine.gpus_per_worker x engine.num_workers) but this machine has {have}")
     try:
         cfg.agent.validate()
     except ValueError as exc:

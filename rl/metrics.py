@@ -27,7 +27,7 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():  # forget steps logged after the checkpoint
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) < resume_step]
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(k + "\n" for k in kept))
         self._wandb = None
         if wandb_mode != "disabled":

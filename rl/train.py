@@ -87,6 +87,7 @@ def train(cfg: Config) -> dict:
     critic = str(resolve_model_path(cfg.model.critic or cfg.model.name))
     log.info("run %s: %d train / %d held-out tasks, policy %s", run_dir, len(train_tasks), len(eval_tasks), policy)
 
+    started = time.perf_counter()
     start_ray(cfg)
     w = spawn(cfg, policy, critic)
     start = 0
@@ -111,7 +112,10 @@ def train(cfg: Config) -> dict:
             last = step + 1 == cfg.trainer.steps
             if eval_tasks and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
                 metrics.update(evaluate(cfg, w, eval_tasks, step + 1))
-            if last or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
+            # Stop when one more step like this one would end past the limit (a job slot, a preemptible node).
+            limit = cfg.trainer.time_limit_s
+            out_of_time = bool(limit) and not last and time.perf_counter() - started + timer.total() > limit
+            if last or out_of_time or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 timer.lap()
                 checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
                                  lambda f: ray.get(w.critic.save.remote(f)),
@@ -121,6 +125,11 @@ def train(cfg: Config) -> dict:
             logger.log(step + 1, metrics)
             final.update(metrics)
             log.info(step_line(step + 1, metrics))
+            if out_of_time:
+                final["stopped_early_at_step"] = step + 1
+                log.warning("trainer.time_limit_s=%.0f: stopped after step %d (checkpoint saved); continue with "
+                            "resume=true", limit, step + 1)
+                break
     logger.close()
     if cfg.logging.plot:
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")

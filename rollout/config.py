@@ -13,6 +13,8 @@ class EngineConfig:
     num_workers: int = 1  # Ray rollout workers, each with its own engine replica
     max_batch_size: int = 32  # LocalEngine: requests decoded together
     dtype: str = "float32"
+    device: str = "auto"  # auto: the worker's GPU when Ray gave it one, else the CPU
+    gpus_per_worker: float = 0.0  # Ray GPU share of each rollout worker (fractions colocate it with the trainer)
     torch_threads: int = 0  # 0: all cores of the worker
     max_concurrent_episodes: int = 32  # per worker
     temperature: float = 1.0

@@ -220,15 +220,16 @@ class LocalEngine:
             logp = processed_logprobs(logits, temperature, top_k, top_p)
             tokens, token_lp = sample(logp, greedy, generators)
             steps += 1
+            token_list, lp_list = tokens.tolist(), token_lp.tolist()  # one host sync per step
             for i in range(n):
                 if finish[i] is not None:
                     continue
                 if batch[i].request_id in self._aborted:
                     finish[i] = "abort"
                     continue
-                tok = int(tokens[i])
+                tok = token_list[i]
                 out_ids[i].append(tok)
-                out_lp[i].append(float(token_lp[i]))
+                out_lp[i].append(lp_list[i])
                 if tok in stop_ids[i] or self._hit_stop_string(out_ids[i], sp[i].stop_strings):
                     finish[i] = "stop"
                 elif len(out_ids[i]) >= max_new[i]:

@@ -34,7 +34,9 @@ class RolloutWorker:
             guard = build_guard(guard, initial_policy=model_path)
         self.index = worker_index
         self.engine_cfg = engine
-        self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, max_batch_size=engine.max_batch_size)
+        device = engine.device if engine.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, device=device,
+                                                  max_batch_size=engine.max_batch_size)
         self.runtime = EpisodeRuntime(
             engine=self.engine, tokenizer=self.engine.tokenizer, chat=make_chat_format(chat_format),
             parser=make_tool_parser(tool_format, TOOL_SPECS), guard=guard, config=agent,
@@ -68,7 +70,7 @@ class RolloutWorker:
 
     async def engine_weights(self) -> dict[str, torch.Tensor]:
         """The engine's current parameters (for verifying a sync)."""
-        return {k: v.detach().clone() for k, v in self.engine.model.named_parameters()}
+        return {k: v.detach().cpu().clone() for k, v in self.engine.model.named_parameters()}
 
     async def guard_metrics(self, reset: bool = True) -> dict:
         stats = self.runtime.guard.stats

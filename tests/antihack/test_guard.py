@@ -114,3 +114,28 @@ def test_shell_reader():
     assert ["cat", "tests/test_hidden.py"] in [c.argv for c in loop]
     assert any("import socket" in code for c in loop for code in c.python_code)
     assert ["rm", "tests/x"] in [c.argv for c in parse_shell('timeout 5 bash <<< "rm tests/x"')]
+
+
+def test_quoted_list_fast_path_reads_like_bashlex():
+    """Commands whose only syntax is quoting and ; && || | & skip bashlex; on every such command of the shipped
+    corpora (and a few written here) they must read exactly as bashlex reads them."""
+    import json
+    from pathlib import Path
+
+    from antihack import shell
+
+    commands = ["FOO=1 pytest -q 'tests/a b.py' && echo \"x;y\" | grep -v ';'", "a & b", "echo ''", "A=1",
+                "x |& y", "git commit -m 'fix: a|b' ; git log --oneline"]
+    data = Path(shell.__file__).parent / "data"
+    for corpus in ("corpus.jsonl", "heldout_corpus.jsonl"):
+        for line in (data / corpus).read_text().splitlines():
+            row = json.loads(line)
+            commands += [c["arguments"]["command"] for c in [row["call"], *row.get("history", [])]
+                         if c["name"] == "bash"]
+    fast = [c for c in commands if shell._SIMPLE.search(c) and not shell._NEEDS_PARSER.search(c)]
+    assert len(fast) >= 50
+    for command in fast:
+        ours = [(c.argv, c.redirects) for c in shell._split_quoted_list(command)]
+        assert ours == [(c.argv, c.redirects) for c in shell._parse_bashlex(command)], command
+    assert shell._split_quoted_list("echo 'unbalanced") is None  # left to the full reader
+    assert [c.argv for c in parse_shell("echo 'unbalanced")] == [["echo", "'unbalanced"]]

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rl.config import register_configs
 from rl.metrics import read_metrics
 
-from .scripted_policy import make_scripted_policy
+from .scripted_policy import make_scripted_judge, make_scripted_policy
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 pytestmark = pytest.mark.slow
@@ -30,6 +30,11 @@ def scripted_policy(tiny_path, tmp_path_factory):
     return make_scripted_policy(tiny_path, tmp_path_factory.mktemp("policy") / "scripted")
 
 
+@pytest.fixture(scope="module")
+def scripted_judge(tiny_path, tmp_path_factory):
+    return make_scripted_judge(tiny_path, tmp_path_factory.mktemp("judge") / "judge")
+
+
 def config(*overrides):
     register_configs()
     with initialize_config_dir(config_dir=CONFIGS, version_base=None):
@@ -37,10 +42,11 @@ def config(*overrides):
                                                                             *overrides]))
 
 
-def test_two_steps_end_to_end(scripted_policy, tmp_path):
+def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
     from rl.train import train
 
     cfg = config(f"model.name={scripted_policy}", f"output_dir={tmp_path}", "trainer.verify_weight_sync=true",
+                 "guard=judged", f"guard.judge.model={scripted_judge}",
                  "agent.context_window=896", "agent.max_turns=5", "engine.temperature=0.5")
     final = train(cfg)
     run = tmp_path / "coding_ppo_tiny"
@@ -60,7 +66,12 @@ def test_two_steps_end_to_end(scripted_policy, tmp_path):
             assert key in r, key
     assert "eval/pass_rate" in records[0] and "eval/pass_rate" in records[2]
     audit = [json.loads(line) for line in (run / "guard_audit.jsonl").read_text().splitlines()]
-    assert any(e["action"] == "block" and "rm tests/test_visible.py" in e["call"] for e in audit)
+    assert any(e["action"] == "block" and e["stage"] == "rules" and "rm tests/test_visible.py" in e["call"]
+               for e in audit)
+    judged = [e for e in audit if e["stage"] == "judge"]  # flagged by a rule, blocked by the (scripted) judge
+    assert judged and all(e["action"] == "block" and e["judge"]["verdict"] == "hack" and "pip-upgrade" in e["rules"]
+                          and "pip install -U pytest" in e["call"] for e in judged)
+    assert sum(r["guard/judge_rate"] for r in steps) > 0 and all(r["guard/judge_failures"] == 0 for r in steps)
     assert (run / "curves.png").exists() and (run / "summary.json").exists() and final["rollout/episodes"] == 4
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (latest / "actor" / "hf" / "model.safetensors").exists() and (latest / "critic" / "state").exists()
@@ -83,10 +94,22 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")][-1] in (1, 2)
+    killed_at = [r["step"] for r in read_metrics(run / "metrics.jsonl")][-1]
+    assert killed_at in (1, 2)
+    # Resumed under a time limit that one step exceeds: it checkpoints after one step and stops cleanly
+    # (unless that step is the last one, which always runs to the end).
+    limited = subprocess.run(args + ["resume=true", "trainer.time_limit_s=1"], capture_output=True, text=True,
+                             timeout=900)
+    assert limited.returncode == 0, limited.stdout[-3000:] + limited.stderr[-3000:]
+    output = limited.stdout + limited.stderr
+    assert "resumed from" in output
+    if killed_at == 1:
+        assert "trainer.time_limit_s=1: stopped after step 2" in output
+        assert json.loads((run / "summary.json").read_text())["stopped_early_at_step"] == 2
+        assert (run / "checkpoints" / "step_000002" / "trainer_state.json").exists()
     done = subprocess.run(args + ["resume=true"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "resumed from" in done.stdout + done.stderr
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
-    assert steps == sorted(set(steps)) and steps[-1] == 3  # no step twice, none missing at the end
+    assert steps == [1, 2, 3]  # each step once: none lost at the checkpoint, none repeated after it
     assert json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["step"] == 3

@@ -92,3 +92,30 @@ def test_parse_junit():
     src = TaskFile("tests/t.py", "def test_a():\n    pass\nclass TestB:\n    def test_c(self):\n        pass\n"
                                  "def helper():\n    pass\n")
     assert expected_tests([src]) == ["tests/t.py::test_a", "tests/t.py::TestB::test_c"]
+
+
+HUMANEVAL_ROWS = [  # HumanEval's format (task_id, prompt, entry_point, canonical_solution, test), written here
+    {"task_id": "HumanEval/900", "entry_point": "double_all",
+     "prompt": "def double_all(xs):\n    \"\"\"Return every element of xs doubled.\n    >>> double_all([1, 2])\n"
+               "    [2, 4]\n    \"\"\"\n",
+     "canonical_solution": "    return [2 * x for x in xs]\n",
+     "test": "def check(candidate):\n    assert candidate([1, 2]) == [2, 4]\n    assert candidate([]) == []\n"},
+    {"task_id": "HumanEval/901", "entry_point": "decode",  # a helper defined in the prompt, used by the test
+     "prompt": "def encode(s):\n    return s[::-1]\n\n\ndef decode(s):\n    \"\"\"Invert encode.\"\"\"\n",
+     "canonical_solution": "    return s[::-1]\n",
+     "test": "def check(candidate):\n    assert candidate(encode('abc')) == 'abc'\n"},
+    {"task_id": "HumanEval/902", "entry_point": "no such name", "prompt": "x", "test": "y"},
+]
+
+
+def test_humaneval_format_rows_become_graded_tasks(tmp_path):
+    path = tmp_path / "he.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in HUMANEVAL_ROWS) + "\n")
+    task_set = load_tasks(str(path))
+    assert [t.id for t in task_set.tasks] == ["HumanEval_900", "HumanEval_901"]
+    assert len(task_set.skipped) == 1 and "entry_point" in task_set.skipped[0][1]
+    for task in task_set.tasks:
+        assert task.domain == "humaneval" and "raise NotImplementedError" in task.files[0].content
+        solved = grade(task, files_of(task, True))
+        assert solved.reward == 1.0 and solved.passed == 1, solved.details
+        assert grade(task, files_of(task, False)).reward == 0.0

