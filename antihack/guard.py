@@ -159,6 +159,6 @@ class Guard:
             return DummyObservation("fatal: bad revision", 128)
         if category == "privilege_escalation":
             return DummyObservation("Operation not permitted", 1)
-        if call.name == "write_file":
+        if call.name in ("write_file", "edit_file"):
             return DummyObservation(f"Error: [Errno 13] Permission denied: '{target}'", 1)
         return DummyObservation("Permission denied", 1)

@@ -14,7 +14,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from environments.sandbox import make_sandbox
+from environments.sandbox import make_sandbox, task_sandbox_options
 from environments.types import GradeResult, Task, TaskFile
 
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".git"}
@@ -89,14 +89,16 @@ def parse_junit(xml_text: str) -> dict[str, str]:
 
 def grade(task: Task, workspace: Path | dict[str, str], backend: str = "bwrap", reward: str = "pass_fraction",
           timeout: float = 60.0, **limits) -> GradeResult:
-    """Grade the agent's work. `workspace`: the agent's workspace folder, or its files as {path: text}."""
+    """Grade the agent's work. `workspace`: the agent's workspace folder, or its files as {path: text}. With the
+    docker backend the sandbox runs the task's own image when its metadata names one (`docker_image`)."""
     files = collect_files(workspace) if isinstance(workspace, Path) else dict(workspace)
     official = {f.path for f in task.visible_tests + task.hidden_tests}
     expected = expected_tests(task.hidden_tests)
     if not expected:
         raise ValueError(f"task {task.id}: hidden tests define no test functions")
     agent_files = [TaskFile(p, c) for p, c in files.items() if os.path.normpath(p) not in official]
-    with make_sandbox(backend, **limits) as box, tempfile.TemporaryDirectory(prefix="grade-") as report_dir:
+    options = {**limits, **task_sandbox_options(task, backend)}
+    with make_sandbox(backend, **options) as box, tempfile.TemporaryDirectory(prefix="grade-") as report_dir:
         setup_workspace(box.workspace, agent_files + task.visible_tests + task.hidden_tests,
                         owner_uid=getattr(box, "uid", None))
         box.bind(Path(report_dir), "/grader", writable=True)

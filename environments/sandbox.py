@@ -7,7 +7,7 @@ sandbox, so RLIMIT_NPROC contains fork bombs per sandbox) with no capabilities a
 address space, CPU seconds, file size, process count and open files are rlimits inherited by everything the
 command starts. A timeout kills bwrap, and with it the whole PID namespace, daemonised children included.
 
-The Docker backend lives behind the same contract (issue: sandboxed environments) and is added there.
+`docker`: one container per sandbox, behind the same contract (environments/docker_sandbox.py).
 """
 
 from __future__ import annotations
@@ -73,12 +73,41 @@ class Sandbox:
         self.close()
 
 
+BACKENDS = ("bwrap", "docker")
+
+
 def make_sandbox(backend: str = "bwrap", **limits) -> Sandbox:
+    """A new sandbox. `limits`: any `SandboxLimits` field; the docker backend also takes `image`, `cpus`,
+    `workspace_mb` and `tmp_mb` (environments/docker_sandbox.py `DockerOptions`)."""
     if backend == "bwrap":
+        from environments.docker_sandbox import DOCKER_OPTIONS
+
+        docker_only = sorted(set(limits) & set(DOCKER_OPTIONS))
+        if docker_only:
+            raise TypeError(f"{docker_only} are options of the docker backend; the bwrap backend does not take them")
         return BwrapSandbox(SandboxLimits.from_kwargs(**limits))
     if backend == "docker":
-        raise NotImplementedError("the docker backend is not built yet; use backend='bwrap'")
-    raise ValueError(f"unknown sandbox backend {backend!r}; use 'bwrap' or 'docker'")
+        from environments.docker_sandbox import DOCKER_OPTIONS, DockerOptions, DockerSandbox
+
+        unknown = set(limits) - set(DOCKER_OPTIONS) - {f.name for f in fields(SandboxLimits)}
+        if unknown:
+            raise TypeError(f"unknown sandbox limits {sorted(unknown)}; known: "
+                            f"{sorted({f.name for f in fields(SandboxLimits)})} and docker's {list(DOCKER_OPTIONS)}")
+        options = {k: limits.pop(k) for k in list(limits) if k in DOCKER_OPTIONS}
+        if options.get("image", "") is None:  # None: no image of the task's own, the default one
+            options.pop("image")
+        return DockerSandbox(SandboxLimits.from_kwargs(**limits), DockerOptions(**options))
+    raise ValueError(f"unknown sandbox backend {backend!r}; use one of {list(BACKENDS)}")
+
+
+def task_sandbox_options(task, backend: str) -> dict:
+    """Per-task sandbox options: with Docker, the task's own image (metadata `docker_image`), if it names one."""
+    image = (task.metadata or {}).get("docker_image")
+    if backend != "docker" or image is None:
+        return {}
+    if not isinstance(image, str) or not image.strip():
+        raise ValueError(f"task {task.id}: docker_image must be a non-empty image name, got {image!r}")
+    return {"image": image}
 
 
 def bwrap_binary() -> str:

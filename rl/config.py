@@ -138,7 +138,7 @@ def validate(cfg: Config) -> None:
             problems.append(f"{key}={value!r}: must be one of {list(allowed)}")
 
     one_of("engine.type", cfg.engine.type, ["local"])
-    one_of("env.sandbox", cfg.env.sandbox, ["bwrap"])
+    one_of("env.sandbox", cfg.env.sandbox, ["bwrap", "docker"])
     one_of("env.reward", cfg.env.reward, ["pass_fraction", "binary"])
     one_of("guard.dummy_mode", cfg.guard.dummy_mode, ["environment_consistent", "explicit_notice"])
     one_of("guard.judge.backend", cfg.guard.judge.backend, ["none", "engine", "openai"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from antihack import Guard, GuardContext
 from environments import Observation, Task, ToolCall, collect_files, execute_tool, grade, make_sandbox
+from environments.sandbox import task_sandbox_options
 from environments.grading import setup_workspace
 from rollout.chat import ChatFormat, Message
 from rollout.compaction import (SUMMARY_INSTRUCTION, atomic_steps, rebuilt_context,
@@ -125,7 +126,8 @@ class AgentEpisode:
     async def run(self) -> Trajectory:
         started = time.perf_counter()
         try:
-            sandbox = await asyncio.to_thread(make_sandbox, self.rt.sandbox_backend, **self.rt.sandbox_limits)
+            options = {**self.rt.sandbox_limits, **task_sandbox_options(self.task, self.rt.sandbox_backend)}
+            sandbox = await asyncio.to_thread(make_sandbox, self.rt.sandbox_backend, **options)
         except Exception as exc:  # no sandbox, no episode: report it, the run goes on
             self.traj.finish_reason = "error"
             self.traj.grade_details = {"error": f"sandbox start failed: {exc!r}"}

@@ -69,8 +69,9 @@ def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
     assert any(e["action"] == "block" and e["stage"] == "rules" and "rm tests/test_visible.py" in e["call"]
                for e in audit)
     judged = [e for e in audit if e["stage"] == "judge"]  # flagged by a rule, blocked by the (scripted) judge
-    assert judged and all(e["action"] == "block" and e["judge"]["verdict"] == "hack" and "pip-upgrade" in e["rules"]
-                          and "pip install -U pytest" in e["call"] for e in judged)
+    assert judged and all(e["action"] == "block" and e["judge"]["verdict"] == "hack" for e in judged), \
+        [(e["call"], e["rules"], e["action"], e["judge"]) for e in judged]
+    assert any("pip-upgrade" in e["rules"] and "pip install -U pytest" in e["call"] for e in judged)
     assert sum(r["guard/judge_rate"] for r in steps) > 0 and all(r["guard/judge_failures"] == 0 for r in steps)
     assert (run / "curves.png").exists() and (run / "summary.json").exists() and final["rollout/episodes"] == 4
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
