@@ -101,9 +101,11 @@ def train(cfg: Config) -> dict:
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
                            OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
     final: dict = {}
+    eval_s = 0.0  # the last evaluation's duration, for the time limit
     with open(run_dir / "guard_audit.jsonl", "a") as audit:
         if cfg.trainer.eval_at_start and start == 0 and eval_tasks:
             final = evaluate(cfg, w, eval_tasks, 0)
+            eval_s = final["perf/eval_s"]
             logger.log(0, final)
             log.info("step 0 | held-out pass@1 %.3f reward %.3f", final["eval/pass_rate"], final["eval/reward_mean"])
         for step in range(start, cfg.trainer.steps):
@@ -112,9 +114,12 @@ def train(cfg: Config) -> dict:
             last = step + 1 == cfg.trainer.steps
             if eval_tasks and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
                 metrics.update(evaluate(cfg, w, eval_tasks, step + 1))
-            # Stop when one more step like this one would end past the limit (a job slot, a preemptible node).
+                eval_s = metrics["perf/eval_s"]
+            # Stop when one more step like this one (plus the final evaluation, if the next step is the last)
+            # would end past the limit: a job slot, a preemptible node.
             limit = cfg.trainer.time_limit_s
-            out_of_time = bool(limit) and not last and time.perf_counter() - started + timer.total() > limit
+            next_cost = timer.total() + (eval_s if step + 2 == cfg.trainer.steps else 0.0)
+            out_of_time = bool(limit) and not last and time.perf_counter() - started + next_cost > limit
             if last or out_of_time or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 timer.lap()
                 checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
