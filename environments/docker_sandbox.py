@@ -43,6 +43,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from environments.sandbox import SANDBOX_ROOT, Sandbox, SandboxLimits, _UidLease
+from environments.sandbox import mount_tmpfs as _mount_tmpfs, unmount as _unmount
 from environments.types import ExecResult
 
 DEFAULT_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "agentic-rl/python:bookworm")
@@ -119,27 +120,6 @@ def docker_available(image: str = DEFAULT_IMAGE) -> tuple[bool, str]:
         return False, "the docker backend mounts a size-capped tmpfs workspace on the host and needs root"
     version = client.version().get("Version", "?")
     return True, f"Docker {version} at {os.environ.get('DOCKER_HOST') or 'the default socket'}"
-
-
-# ---- host tmpfs for the workspace ----------------------------------------------------------------------------
-_libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc: mount(2), umount2(2)
-_MS_NOSUID, _MS_NODEV = 2, 4
-_MNT_DETACH = 2
-
-
-def _mount_tmpfs(target: Path, size_mb: int, uid: int) -> None:
-    opts = f"size={size_mb}m,mode=0755,uid={uid},gid={uid}".encode()
-    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot mount the workspace tmpfs at {target}: {os.strerror(err)} (the docker backend "
-                           "needs root on the engine's host)")
-
-
-def _unmount(target: Path) -> None:
-    if _libc.umount2(str(target).encode(), _MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: gone
-            raise OSError(err, f"cannot unmount {target}: {os.strerror(err)}")
 
 
 # ---- output ---------------------------------------------------------------------------------------------------

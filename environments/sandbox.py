@@ -12,6 +12,7 @@ command starts. A timeout kills bwrap, and with it the whole PID namespace, daem
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import resource
@@ -74,18 +75,38 @@ class Sandbox:
 
 
 BACKENDS = ("bwrap", "docker")
+SIZE_OPTIONS = ("workspace_mb", "tmp_mb")  # both backends: size caps of the workspace and of /tmp
+
+_libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc: mount(2), umount2(2)
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+def mount_tmpfs(target: Path, size_mb: int, uid: int) -> None:
+    """A size-capped tmpfs at `target` on the host, owned by `uid`: the workspace's disk quota (needs root)."""
+    opts = f"size={size_mb}m,mode=0755,uid={uid},gid={uid}".encode()
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot mount the workspace tmpfs at {target}: {os.strerror(err)} (needs root)")
+
+
+def unmount(target: Path) -> None:
+    if _libc.umount2(str(target).encode(), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: gone
+            raise OSError(err, f"cannot unmount {target}: {os.strerror(err)}")
 
 
 def make_sandbox(backend: str = "bwrap", **limits) -> Sandbox:
-    """A new sandbox. `limits`: any `SandboxLimits` field; the docker backend also takes `image`, `cpus`,
-    `workspace_mb` and `tmp_mb` (environments/docker_sandbox.py `DockerOptions`)."""
+    """A new sandbox. `limits`: any `SandboxLimits` field, `workspace_mb` and `tmp_mb` (size caps); the docker
+    backend also takes `image` and `cpus` (environments/docker_sandbox.py `DockerOptions`)."""
     if backend == "bwrap":
         from environments.docker_sandbox import DOCKER_OPTIONS
 
-        docker_only = sorted(set(limits) & set(DOCKER_OPTIONS))
+        docker_only = sorted(set(limits) & set(DOCKER_OPTIONS) - set(SIZE_OPTIONS))
         if docker_only:
             raise TypeError(f"{docker_only} are options of the docker backend; the bwrap backend does not take them")
-        return BwrapSandbox(SandboxLimits.from_kwargs(**limits))
+        sizes = {k: limits.pop(k) for k in SIZE_OPTIONS if k in limits}
+        return BwrapSandbox(SandboxLimits.from_kwargs(**limits), **sizes)
     if backend == "docker":
         from environments.docker_sandbox import DOCKER_OPTIONS, DockerOptions, DockerSandbox
 
@@ -153,7 +174,10 @@ def _python_roots() -> list[str]:
 
 
 class BwrapSandbox(Sandbox):
-    def __init__(self, limits: SandboxLimits | None = None):
+    def __init__(self, limits: SandboxLimits | None = None, workspace_mb: int = 256, tmp_mb: int = 64):
+        for name, value in (("workspace_mb", workspace_mb), ("tmp_mb", tmp_mb)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive number of MB, got {value!r}")
         self.limits = limits or SandboxLimits()
         self._bwrap = bwrap_binary()
         self._as_root = os.geteuid() == 0
@@ -164,7 +188,11 @@ class BwrapSandbox(Sandbox):
         self._io = self._root / "io"  # host-side capture files, never visible inside
         self._io.mkdir()
         self._lease = _UidLease() if self._as_root else None
-        if self._lease:
+        self._tmp_bytes = tmp_mb * 1024 * 1024
+        self._workspace_mounted = False
+        if self._lease:  # as root, the workspace is a size-capped tmpfs: a disk fill stops at workspace_mb
+            mount_tmpfs(self.workspace, workspace_mb, self._lease.uid)
+            self._workspace_mounted = True
             os.chown(self.workspace, self._lease.uid, self._lease.uid)
         self._closed = False
         self._python_bin = os.path.join(os.path.realpath(sys.prefix), "bin")
@@ -194,7 +222,7 @@ class BwrapSandbox(Sandbox):
                 cmd += ["--ro-bind", f"/{d}", f"/{d}"]
         # /tmp first: later mounts go on top of it, so a Python installed under /tmp (a CI checkout's venv)
         # stays visible instead of being hidden by the private /tmp.
-        cmd += ["--perms", "1777", "--tmpfs", "/tmp"]
+        cmd += ["--perms", "1777", "--size", str(self._tmp_bytes), "--tmpfs", "/tmp"]
         made: set[str] = {"/tmp"}
         readonly = _python_roots()
         if os.path.isdir("/etc/alternatives"):  # Debian's awk, which, editor… are links through here
@@ -279,6 +307,8 @@ class BwrapSandbox(Sandbox):
             subprocess.run(["pkill", "-KILL", "-U", str(self._lease.uid)], check=False,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self._lease.release()
+        if self._workspace_mounted:
+            unmount(self.workspace)
         shutil.rmtree(self._root, ignore_errors=True)
 
     def __del__(self):

@@ -151,17 +151,9 @@ def test_memory_bomb_is_contained(make):
 FILL = "i=0; while [ $i -lt 64 ]; do i=$((i+1)); head -c 1000000 /dev/zero > {dir}/fill$i || break; done; du -sk {dir}"
 
 
-@pytest.fixture
-def quota_gap(backend, request):
-    if backend == "bwrap":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="bwrap's workspace is a host folder and its "
-                                              "/tmp a tmpfs without a size: only RLIMIT_FSIZE caps each file"))
-
-
-def test_disk_fill_is_capped(make, backend, quota_gap):
+def test_disk_fill_is_capped(make):
     """64 files of 1 MB, each under the file-size limit: the workspace and /tmp must stop them."""
-    limits = {"workspace_mb": 16, "tmp_mb": 16} if backend == "docker" else {}
-    box = make(**limits)
+    box = make(workspace_mb=16, tmp_mb=16)
     for where in ("/workspace", "/tmp"):
         r = box.exec(FILL.format(dir=where), timeout=60)
         used_kb = int(r.stdout.split()[-2])
