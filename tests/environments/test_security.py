@@ -148,7 +148,7 @@ def test_memory_bomb_is_contained(make):
     assert subprocess.run(["true"]).returncode == 0
 
 
-FILL = "i=0; while [ $i -lt 64 ]; do i=$((i+1)); head -c 1000000 /dev/zero > {dir}/fill$i || break; done; du -sk {dir}"
+FILL = "i=0; while [ $i -lt 64 ]; do i=$((i+1)); head -c 1000000 /dev/zero > {dir}/fill$i || break; done; du -skc {dir}/fill* | tail -1"
 
 
 def test_disk_fill_is_capped(make):
