@@ -334,19 +334,6 @@ class DockerSandbox(Sandbox):
         stderr, t2 = err.text()
         return ExecResult(stdout, stderr, code, timed_out, duration, t1 or t2)
 
-    def write_file(self, path: str, content: str) -> None:
-        """Written from inside the sandbox, so a symlink planted by the agent cannot redirect it outside."""
-        result = self.exec(["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
-                           stdin=content)
-        if result.exit_code != 0:
-            raise OSError(f"write_file {path}: {result.stderr.strip() or result.exit_code}")
-
-    def read_file(self, path: str) -> str:
-        result = self.exec(["/bin/cat", "--", path])
-        if result.exit_code != 0:
-            raise FileNotFoundError(f"read_file {path}: {result.stderr.strip()}")
-        return result.stdout
-
     def close(self) -> None:
         if self._closed:
             return

@@ -59,10 +59,17 @@ class Sandbox:
         raise NotImplementedError
 
     def write_file(self, path: str, content: str) -> None:
-        raise NotImplementedError
+        """Written from inside the sandbox, so a symlink planted by the agent cannot redirect it outside."""
+        result = self.exec(["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
+                           stdin=content)
+        if result.exit_code != 0:
+            raise OSError(f"write_file {path}: {result.stderr.strip() or result.exit_code}")
 
     def read_file(self, path: str) -> str:
-        raise NotImplementedError
+        result = self.exec(["/bin/cat", "--", path])
+        if result.exit_code != 0:
+            raise FileNotFoundError(f"read_file {path}: {result.stderr.strip()}")
+        return result.stdout
 
     def close(self) -> None:
         raise NotImplementedError
@@ -285,19 +292,6 @@ class BwrapSandbox(Sandbox):
         elif code is not None and code < 0:
             code = 128 - code  # killed by a signal, as a shell reports it
         return ExecResult(stdout, stderr, code, timed_out, duration, t1 or t2)
-
-    def write_file(self, path: str, content: str) -> None:
-        """Written from inside the sandbox, so a symlink planted by the agent cannot redirect it outside."""
-        result = self.exec(["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
-                           stdin=content)
-        if result.exit_code != 0:
-            raise OSError(f"write_file {path}: {result.stderr.strip() or result.exit_code}")
-
-    def read_file(self, path: str) -> str:
-        result = self.exec(["/bin/cat", "--", path])
-        if result.exit_code != 0:
-            raise FileNotFoundError(f"read_file {path}: {result.stderr.strip()}")
-        return result.stdout
 
     def close(self) -> None:
         if self._closed:

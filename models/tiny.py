@@ -6,14 +6,11 @@ once into the cache and is an ordinary HF-format checkpoint.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from models.hub import TINY, cache_dir, default_policy_dir
+from models.hub import TINY, cached_random_model
 
 TINY_CONFIG = dict(
     hidden_size=64,
@@ -28,30 +25,12 @@ TINY_CONFIG = dict(
 
 
 def tiny_model_dir(name: str = TINY) -> Path:
-    seed = int(name.split(":", 1)[1]) if ":" in name else 0
-    out = cache_dir() / f"tiny-random-{seed}"
-    if (out / "config.json").exists():
-        return out
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    def build(tokenizer, seed: int):
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(default_policy_dir())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **TINY_CONFIG,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
-    except OSError:
-        if not (out / "config.json").exists():  # lost a race with another process: fine if it won
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_CONFIG)
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+    return cached_random_model(name, "tiny-random", build)

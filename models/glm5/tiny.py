@@ -13,9 +13,6 @@ of operations or a forgotten bias.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -84,29 +81,13 @@ def build_random(config: Glm5Config, seed: int = 0, randomise: bool = True):
 
 def tiny_glm5_dir(name: str = GLM52_TINY) -> Path:
     """HF-format folder of `glm52-tiny[:seed]` in the model cache (written once)."""
-    from models.hub import cache_dir, default_policy_dir
+    from models.hub import cached_random_model
 
-    seed = int(name.split(":", 1)[1]) if ":" in name else 0
-    out = cache_dir() / f"glm52-tiny-{seed}"
-    if (out / "config.json").exists():
-        return out
-    from transformers import AutoTokenizer
+    def build(tokenizer, seed: int):
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        config = Glm5Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+                            pad_token_id=pad, **TINY_CONFIG)
+        return build_random(config, seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(default_policy_dir())
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    config = Glm5Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
-                        pad_token_id=pad, **TINY_CONFIG)
-    model = build_random(config, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
-    except OSError:
-        if not (out / "config.json").exists():  # lost a race with another process: fine if it won
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return cached_random_model(name, "glm52-tiny", build)
