@@ -30,7 +30,6 @@ workspace and removes its folder.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import shutil
@@ -43,7 +42,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from environments.sandbox import SANDBOX_ROOT, Sandbox, SandboxLimits, _UidLease
-from environments.sandbox import mount_tmpfs as _mount_tmpfs, unmount as _unmount
+from environments.sandbox import mount_tmpfs as _mount_tmpfs
+from environments.sandbox import unmount as _unmount
 from environments.types import ExecResult
 
 DEFAULT_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "agentic-rl/python:bookworm")
@@ -293,7 +293,7 @@ class DockerSandbox(Sandbox):
                 try:
                     raw.sendall(stdin.encode())
                     raw.shutdown(socket.SHUT_WR)
-                except (socket.timeout, OSError):
+                except (TimeoutError, OSError):
                     pass  # the command stopped reading (or ran past the deadline): its output tells
             raw.setblocking(False)
             while True:
