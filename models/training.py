@@ -153,15 +153,20 @@ class DeepSpeedWorker:
 
         return make_micro_batches(samples, fields, self.optim.micro_batch_tokens, self.device)
 
-    def gathered_state(self) -> dict[str, torch.Tensor]:
-        """Full (unpartitioned) parameters on CPU, named as in the HF checkpoint."""
+    def gathered_state(self, on_device: bool = False) -> dict[str, torch.Tensor]:
+        """Full (unpartitioned) parameters, named as in the HF checkpoint: copies on the CPU, or on the
+        worker's device with `on_device` (an engine sharing the GPU reads them there)."""
         import deepspeed
 
         params = dict(self.module.named_parameters())
+
+        def copy(v: torch.Tensor) -> torch.Tensor:
+            return v.detach().clone() if on_device else v.detach().cpu().clone()
+
         if self.optim.zero_stage == 3:
             with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in params.items()}
-        return {k: v.detach().cpu().clone() for k, v in params.items()}
+                return {k: copy(v) for k, v in params.items()}
+        return {k: copy(v) for k, v in params.items()}
 
     def save_hf(self, folder: str, tokenizer_from: str | None = None) -> None:
         """HF-format folder (config.json + safetensors) that transformers and our engines load as it is."""

@@ -119,11 +119,11 @@ class ActorWorker(DeepSpeedWorker):
             metrics["actor/kl_ref"] = sums["kl_ref"] / denom
         return metrics
 
-    def weight_buckets(self, bucket_mb: int) -> list[dict[str, torch.Tensor]]:
+    def weight_buckets(self, bucket_mb: int, on_device: bool = False) -> list[dict[str, torch.Tensor]]:
         """The policy's parameters in buckets of about `bucket_mb` MB, in a fixed order."""
         buckets, current, size = [], {}, 0
         limit = bucket_mb * 1024 * 1024
-        for name, tensor in self.gathered_state().items():
+        for name, tensor in self.gathered_state(on_device).items():
             current[name] = tensor
             size += tensor.numel() * tensor.element_size()
             if size >= limit:
@@ -138,3 +138,43 @@ class ActorWorker(DeepSpeedWorker):
         import ray
 
         return [ray.put(b) for b in self.weight_buckets(bucket_mb)]
+
+    def sync_sglang(self, urls: list[str], version: int, mode: str, bucket_mb: int, pause_mode: str = "abort",
+                    folder: str = "", tp_sizes: list[int] | None = None, new_group: bool = False) -> dict:
+        """Push the policy to SGLang servers (rollout/sglang/weights.py): `tensor` hands them CUDA IPC handles of
+        our own GPU copies, `distributed` broadcasts over a process group with them (NCCL, gloo on CPU; the group
+        is kept for the next sync unless `new_group`), `disk` writes an HF folder they reload."""
+        import asyncio
+        import socket
+
+        from rollout.sglang import weights as sync
+
+        started = time.perf_counter()
+        if mode == "disk":
+            target = f"{folder}/v{version}"
+            self.save_hf(target)
+            stats = asyncio.run(sync.sync_from_disk(urls, target, version, pause_mode))
+            stats["bytes"] = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        elif mode == "tensor":
+            stats = asyncio.run(sync.sync_from_tensors(urls, self.weight_buckets(bucket_mb, on_device=True), version,
+                                                       tp_sizes, pause_mode))
+        elif mode == "distributed":
+            group = getattr(self, "_update_group", None)
+            if (new_group or getattr(group, "broken", False)) and group is not None:
+                try:
+                    group.close()
+                except Exception:  # a member died: the group is broken anyway
+                    pass
+                group = None
+            address = socket.gethostbyname(socket.gethostname()) if any("127.0.0.1" not in u for u in urls) \
+                else "127.0.0.1"
+            from models.training import free_port
+
+            stats, self._update_group = asyncio.run(sync.sync_over_group(
+                urls, self.weight_buckets(bucket_mb, on_device=True), version, address, free_port(), tp_sizes,
+                "nccl" if self.device.type == "cuda" else "gloo", pause_mode, group, self.device))
+        else:
+            raise ValueError(f"engine.sglang.weight_sync={mode!r}: tensor | distributed | disk")
+        release_memory()
+        stats["seconds"] = time.perf_counter() - started
+        return stats

@@ -19,6 +19,7 @@ from environments import Task
 from models.training import OptimConfig
 from rl.actor import ActorWorker
 from rl.config import Config
+from rollout.sglang.fleet import SGLangFleet
 from rollout.types import Trajectory
 from rollout.worker import RolloutWorker
 
@@ -28,6 +29,9 @@ class Workers:
     actor: ray.actor.ActorHandle
     critic: ray.actor.ActorHandle
     rollout: list[ray.actor.ActorHandle]
+    fleet: SGLangFleet | None = None  # engine.type=sglang: the servers the rollout workers talk to
+    weight_sync_dir: str = ""
+    weight_version: int = 0  # what the engines serve
 
 
 def start_ray(cfg: Config) -> None:
@@ -40,12 +44,19 @@ def start_ray(cfg: Config) -> None:
     else:
         import torch
 
+        env_vars = {}
+        if cfg.engine.type == "sglang" and cfg.engine.sglang.weight_sync == "distributed":
+            env_vars["NCCL_CUMEM_ENABLE"] = "0"  # before any NCCL communicator of the trainer (weights.py says why)
         ray.init(num_cpus=os.cpu_count(), num_gpus=torch.cuda.device_count(), include_dashboard=False,
-                 log_to_driver=True, configure_logging=False)
+                 log_to_driver=True, configure_logging=False, runtime_env={"env_vars": env_vars} if env_vars else None)
 
 
-def spawn(cfg: Config, policy: str, critic: str) -> Workers:
+def spawn(cfg: Config, policy: str, critic: str, run_dir: str = "") -> Workers:
     t = cfg.trainer
+    fleet = None
+    if cfg.engine.type == "sglang":  # first: the servers take minutes to load, and their GPUs come first
+        fleet = SGLangFleet(cfg.engine.sglang, policy, log_dir=f"{run_dir}/sglang" if run_dir else None)
+        fleet.start()
     threads = t.torch_threads or 0
     common = dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
                   micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing)
@@ -60,10 +71,12 @@ def spawn(cfg: Config, policy: str, critic: str) -> Workers:
                           max_concurrency=cfg.engine.max_concurrent_episodes + 8)(RolloutWorker).remote(
         policy, cfg.engine, cfg.agent, cfg.guard, chat_format=cfg.model.chat_format, tool_format=cfg.model.tool_format,
         sandbox_backend=cfg.env.sandbox, sandbox_limits=limits, reward=cfg.env.reward,
-        grade_timeout_s=cfg.env.grade_timeout_s, worker_index=i) for i in range(cfg.engine.num_workers)]
+        grade_timeout_s=cfg.env.grade_timeout_s, worker_index=i, sglang_endpoint=fleet.endpoint() if fleet else None)
+        for i in range(cfg.engine.num_workers)]
     ray.get([actor.__ray_ready__.remote(), critic_worker.__ray_ready__.remote()]
             + [w.__ray_ready__.remote() for w in rollout])
-    return Workers(actor, critic_worker, rollout)
+    sync_dir = cfg.engine.sglang.weight_sync_dir or (f"{run_dir}/weights" if run_dir else "/tmp/agentic-rl-weights")
+    return Workers(actor, critic_worker, rollout, fleet, sync_dir)
 
 
 def run_episodes(workers: Workers, tasks: list[Task], mode: str, seed: int, desc: str) -> list[Trajectory]:
@@ -82,7 +95,10 @@ def run_episodes(workers: Workers, tasks: list[Task], mode: str, seed: int, desc
 
 
 def push_weights(workers: Workers, version: int, bucket_mb: int, verify: bool = False) -> dict:
-    """Actor → every engine, bucket by bucket through Ray's object store; applied atomically per engine."""
+    """Actor → every engine, bucket by bucket through Ray's object store; applied atomically per engine.
+    With an SGLang fleet the actor sends straight to the servers (tensor, NCCL or disk)."""
+    if workers.fleet is not None:
+        return push_weights_sglang(workers, version, bucket_mb, verify)
     started = time.perf_counter()
     refs = ray.get(workers.actor.weight_bucket_refs.remote(bucket_mb))
     sizes = ray.get([w.receive_bucket.remote(r) for w in workers.rollout for r in refs])
@@ -96,6 +112,76 @@ def push_weights(workers: Workers, version: int, bucket_mb: int, verify: bool = 
         diffs = [max(float((engine[k] - t).abs().max()) for k, t in trainer.items())
                  for engine in ray.get([w.engine_weights.remote() for w in workers.rollout])]
         out["perf/weight_sync_max_abs_diff"] = max(diffs)
+    return out
+
+
+def push_weights_sglang(workers: Workers, version: int, bucket_mb: int, verify: bool = False,
+                        new_group: bool = False) -> dict:
+    fleet = workers.fleet
+    cfg = fleet.cfg
+    tp = int(cfg.args.get("tp", cfg.args.get("tp-size", cfg.args.get("tp_size", 1))) or 1)
+    with fleet.sync_lock:
+        stats = ray.get(workers.actor.sync_sglang.remote(
+            fleet.urls, version, cfg.weight_sync, bucket_mb, cfg.pause_mode, workers.weight_sync_dir,
+            [tp] * len(fleet.urls), new_group))
+    ray.get([w.set_weight_version.remote(version) for w in workers.rollout])
+    workers.weight_version = version
+    out = {"perf/weight_sync_s": stats["seconds"], "perf/weight_sync_mb": stats.get("bytes", 0) / 2**20,
+           "perf/weight_sync_buckets": stats.get("buckets", 0), "rollout/weight_version": version,
+           "rollout/server_restarts": fleet.restarts}
+    if verify:
+        out["perf/weight_sync_max_abs_diff"] = verify_sglang_weights(workers)
+    return out
+
+
+def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int = 4) -> float:
+    """The first rows of a few parameters, read back from every server (`/get_weights_by_name`) and compared
+    with the trainer's. Servers fuse some parameters (q/k/v); names they do not answer for are skipped."""
+    import asyncio
+
+    import torch
+
+    from rollout.sglang.client import SGLangClient, SGLangError
+
+    state = ray.get(workers.actor.gathered_state.remote())
+    names = [n for n in state if state[n].dim() <= 2]
+    picks = [names[int(i * (len(names) - 1) / max(names_per_server - 1, 1))] for i in range(names_per_server)]
+
+    async def read(url: str) -> float:
+        client, worst, compared = SGLangClient(url), 0.0, 0
+        try:
+            for name in picks:
+                try:
+                    got = torch.tensor(await client.get_weights_by_name(name, rows), dtype=torch.float32)
+                except SGLangError:
+                    continue
+                want = state[name].float()[:rows]
+                if got.shape == want.shape:
+                    worst, compared = max(worst, float((got - want).abs().max())), compared + 1
+        finally:
+            await client.close()
+        if not compared:
+            raise RuntimeError(f"verify_weight_sync: {url} answered for none of {picks}")
+        return worst
+
+    async def all_servers():
+        return await asyncio.gather(*(read(u) for u in workers.fleet.urls))
+
+    return max(asyncio.run(all_servers()))
+
+
+def engine_metrics(workers: Workers) -> dict:
+    """Request, retry and prefix-cache counters of the SGLang engines (summed over rollout workers)."""
+    if workers.fleet is None:
+        return {}
+    per_worker = ray.get([w.engine_metrics.remote() for w in workers.rollout])
+    out: dict = {}
+    for m in per_worker:
+        for k, v in m.items():
+            out[k] = max(out.get(k, 0.0), v) if k.endswith("_s") else out.get(k, 0) + v
+    if per_worker:
+        out["engine/prefix_cache_hit"] = sum(m["engine/prefix_cache_hit"] for m in per_worker) / len(per_worker)
+    out["rollout/server_restarts"] = workers.fleet.restarts
     return out
 
 

@@ -137,7 +137,17 @@ def validate(cfg: Config) -> None:
         if value not in allowed:
             problems.append(f"{key}={value!r}: must be one of {list(allowed)}")
 
-    one_of("engine.type", cfg.engine.type, ["local"])
+    one_of("engine.type", cfg.engine.type, ["local", "sglang"])
+    sg = cfg.engine.sglang
+    if cfg.engine.type == "sglang":
+        one_of("engine.sglang.weight_sync", sg.weight_sync, ["tensor", "distributed", "disk"])
+        one_of("engine.sglang.pause_mode", sg.pause_mode, ["abort", "in_place", "retract"])
+        one_of("engine.sglang.router", sg.router, ["auto", "on", "off"])
+        if sg.num_servers < 1 and not sg.urls and not sg.router_url:
+            problems.append("engine.sglang.num_servers must be >= 1 (or give engine.sglang.urls)")
+        if sg.weight_sync == "tensor" and sg.urls:
+            problems.append("engine.sglang.weight_sync=tensor needs servers on the trainer's GPUs; attached "
+                            "servers (engine.sglang.urls) take distributed or disk")
     one_of("env.sandbox", cfg.env.sandbox, ["bwrap", "docker"])
     one_of("env.reward", cfg.env.reward, ["pass_fraction", "binary"])
     one_of("guard.dummy_mode", cfg.guard.dummy_mode, ["environment_consistent", "explicit_notice"])
@@ -169,10 +179,14 @@ def validate(cfg: Config) -> None:
     for key, value in gpus.items():
         if value < 0 or (value > 1 and value != int(value)):
             problems.append(f"{key}={value}: a GPU count must be a fraction of one GPU or a whole number")
+    if cfg.engine.type == "sglang" and not (sg.urls or sg.router_url):
+        gpus["engine.sglang.gpus_per_server"] = sg.gpus_per_server
     if any(gpus.values()):
         import torch
 
         wanted = cfg.trainer.actor_gpus + cfg.trainer.critic_gpus + cfg.engine.gpus_per_worker * cfg.engine.num_workers
+        if cfg.engine.type == "sglang" and not (sg.urls or sg.router_url):
+            wanted += sg.gpus_per_server * sg.num_servers
         have = torch.cuda.device_count() if not cfg.trainer.ray_address else wanted
         if wanted > have + 1e-9:
             problems.append(f"the placement asks for {wanted:g} GPUs (trainer.actor_gpus + trainer.critic_gpus + "

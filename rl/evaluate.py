@@ -24,6 +24,7 @@ from environments import load_tasks
 from models import resolve_model_path
 from rl.config import Config, register_configs
 from rl.stats import trajectory_metrics
+from rollout.sglang.fleet import SGLangFleet
 from rollout.worker import RolloutWorker
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -52,7 +53,10 @@ async def run(worker: RolloutWorker, tasks, seed: int, concurrency: int):
         async with gate:
             return await worker.run_episode(task, "eval", seed + i)
 
-    return await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)])
+    try:
+        return await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)])
+    finally:
+        await worker.shutdown()
 
 
 def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_tasks: int = 0,
@@ -63,14 +67,20 @@ def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_
         tasks = tasks[:max_tasks]
     if not tasks:
         raise SystemExit(f"no tasks in {tasks_source} (split {split!r})")
-    worker = RolloutWorker(resolve_checkpoint(model), cfg.engine, cfg.agent, cfg.guard, cfg.model.chat_format,
-                           cfg.model.tool_format, cfg.env.sandbox, dict(vars(cfg.env.limits)), cfg.env.reward,
-                           cfg.env.grade_timeout_s)
-    started = time.perf_counter()
+    model_path = resolve_checkpoint(model)
+    fleet = None
+    if cfg.engine.type == "sglang":  # servers of this model (or the ones named in engine.sglang.urls)
+        fleet = SGLangFleet(cfg.engine.sglang, model_path, use_ray=False)
+        fleet.start()
     try:
+        worker = RolloutWorker(model_path, cfg.engine, cfg.agent, cfg.guard, cfg.model.chat_format,
+                               cfg.model.tool_format, cfg.env.sandbox, dict(vars(cfg.env.limits)), cfg.env.reward,
+                               cfg.env.grade_timeout_s, sglang_endpoint=fleet.endpoint() if fleet else None)
+        started = time.perf_counter()
         trajs = asyncio.run(run(worker, tasks, seed, cfg.engine.max_concurrent_episodes))
     finally:
-        worker.shutdown()
+        if fleet is not None:
+            fleet.stop()
     metrics = trajectory_metrics(trajs, "eval")
     metrics["eval/seconds"] = time.perf_counter() - started
     return {"model": model, "tasks": tasks_source, "split": split, "skipped_records": task_set.skipped,

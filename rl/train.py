@@ -21,7 +21,8 @@ from models import resolve_model_path
 from rl.actor import needs_reference
 from rl.batch import add_advantages, boundary_value_drop, to_samples, trainable
 from rl.checkpoint import Checkpointer
-from rl.cluster import Workers, guard_metrics, push_weights, run_episodes, spawn, start_ray
+from rl.cluster import (Workers, engine_metrics, guard_metrics, push_weights, push_weights_sglang, run_episodes,
+                        spawn, start_ray)
 from rl.config import Config, register_configs, validate
 from rl.data import TaskSampler
 from rl.metrics import MetricsLogger, plot_curves
@@ -33,7 +34,8 @@ log = logging.getLogger("rl.train")
 def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) -> dict:
     timer = Timer()
     trajs = run_episodes(w, sampler.next(cfg.trainer.episodes_per_step), "train", cfg.seed + step, f"step {step + 1}")
-    metrics = {**trajectory_metrics(trajs, "rollout"), **guard_metrics(w), "perf/rollout_s": timer.lap()}
+    metrics = {**trajectory_metrics(trajs, "rollout"), **guard_metrics(w), **engine_metrics(w),
+               "perf/rollout_s": timer.lap()}
     write_audit(audit, step + 1, trajs)
     kept, dropped = trainable(trajs)
     metrics.update({f"rollout/dropped_{k}": v for k, v in dropped.items()})
@@ -89,7 +91,10 @@ def train(cfg: Config) -> dict:
 
     started = time.perf_counter()
     start_ray(cfg)
-    w = spawn(cfg, policy, critic)
+    w = spawn(cfg, policy, critic, str(run_dir))
+    if w.fleet is not None:  # a dead server is restarted and gets the current weights again
+        w.fleet.start_monitor(lambda: push_weights_sglang(w, w.weight_version, cfg.trainer.weight_sync_bucket_mb,
+                                                          new_group=True))
     start = 0
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)
@@ -136,6 +141,8 @@ def train(cfg: Config) -> dict:
                             "resume=true", limit, step + 1)
                 break
     logger.close()
+    if w.fleet is not None:
+        w.fleet.stop()
     if cfg.logging.plot:
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     (run_dir / "summary.json").write_text(json.dumps(final, indent=1, default=str))

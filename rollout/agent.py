@@ -103,7 +103,7 @@ class AgentEpisode:
         self.generate_calls += 1
         seed = None if self.sampling.seed is None else self.sampling.seed + call * 7919
         result = await self.rt.engine.generate(ledger.ids, self.sampling.replace(max_new_tokens=max_new, seed=seed),
-                                               request_id=f"{self.rollout_id}-{call}")
+                                               request_id=f"{self.rollout_id}-{call}", session_id=self.rollout_id)
         self.timings["generate_s"] += time.perf_counter() - started
         ledger.append_output(result.output_ids, result.output_logprobs, int(result.meta.get("weight_version", 0)))
         self.sampled += len(result.output_ids)

@@ -3,8 +3,41 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 SUMMARY_INSTRUCTION_TOKENS = 256  # upper bound of the summary instruction message, tokenised
+
+
+@dataclass
+class SGLangConfig:
+    """engine.type=sglang: a fleet of SGLang servers (rollout/sglang/), launched as Ray actors or attached to.
+
+    `args` go to `python -m sglang.launch_server` unchanged (`{"tp": 2, "mem-fraction-static": 0.3}` becomes
+    `--tp 2 --mem-fraction-static 0.3`; true adds a bare flag, false or null leaves the flag out, a list repeats
+    its values). The model path, host and port are set by the launcher.
+    """
+
+    urls: list[str] = field(default_factory=list)  # attach to running servers instead of launching them
+    router_url: str = ""  # attach to a running sglang-router
+    num_servers: int = 1
+    gpus_per_server: float = 1.0  # Ray GPUs of each server actor (its --tp size, usually)
+    launch_command: list[str] = field(default_factory=lambda: ["python", "-m", "sglang.launch_server"])
+    host: str = "127.0.0.1"
+    args: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the server processes
+    startup_timeout_s: float = 900.0  # a cold start JIT-compiles kernels (minutes)
+    request_timeout_s: float = 900.0
+    max_retries: int = 3  # per request, on a dead server or an abort we did not ask for
+    router: str = "auto"  # auto: sglang-router in front when num_servers > 1 | on | off (client-side affinity)
+    router_policy: str = "consistent_hashing"
+    weight_sync: str = "disk"  # tensor (colocated, CUDA IPC) | distributed (NCCL group) | disk (HF folder)
+    weight_sync_dir: str = ""  # disk: a folder every server can read ("" = <run dir>/weights)
+    pause_mode: str = "abort"  # during a weight update, in-flight requests are: abort (retried on the new
+    #                            weights) | in_place (kept; they finish on the new weights: partial rollout)
+    return_routed_experts: bool = False  # replay data for the trainer (needs --enable-return-routed-experts)
+    return_indexer_topk: bool = False  # (needs --enable-return-indexer-topk)
+    health_interval_s: float = 5.0
+    max_restarts: int = 3  # per server over the run
 
 
 @dataclass
@@ -21,6 +54,7 @@ class EngineConfig:
     top_p: float = 1.0
     top_k: int = 0
     eval_temperature: float = 0.0  # held-out evaluation: greedy by default (pass@1)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass

@@ -17,8 +17,9 @@ class Engine(Protocol):
 
     weight_version: int
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> GenerateResult: ...
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                       session_id: str | None = None) -> GenerateResult:
+        """`session_id` (the episode) keeps the turns of one episode on one server: its prefix cache."""
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | str | Path,
                              version: int | None = None) -> None: ...

@@ -69,8 +69,8 @@ class LocalEngine:
                    **kwargs)
 
     # ---- the Engine contract -------------------------------------------------------------------------
-    async def generate(self, input_ids: list[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> GenerateResult:
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                       session_id: str | None = None) -> GenerateResult:  # one replica: no routing by session
         if not input_ids:
             raise ValueError("generate: empty input_ids")
         loop = asyncio.get_running_loop()
@@ -206,7 +206,7 @@ class LocalEngine:
             seed = s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             generators.append(torch.Generator(device=self.device).manual_seed(seed))
         max_new = [max(0, s.max_new_tokens) for s in sp]
-        stop_ids = [set(s.stop_token_ids) for s in sp]
+        stop_ids = [set() if s.ignore_eos else set(s.stop_token_ids) for s in sp]
 
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
@@ -230,7 +230,7 @@ class LocalEngine:
                 tok = token_list[i]
                 out_ids[i].append(tok)
                 out_lp[i].append(lp_list[i])
-                if tok in stop_ids[i] or self._hit_stop_string(out_ids[i], sp[i].stop_strings):
+                if tok in stop_ids[i] or (not sp[i].ignore_eos and self._hit_stop_string(out_ids[i], sp[i].stop_strings)):
                     finish[i] = "stop"
                 elif len(out_ids[i]) >= max_new[i]:
                     finish[i] = "length"

@@ -16,6 +16,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # run to max_new_tokens (benchmarks): no stop token or string ends it (as in SGLang)
 
     def replace(self, **changes) -> "SamplingParams":
         return SamplingParams(**{**asdict(self), **changes})

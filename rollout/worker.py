@@ -16,6 +16,7 @@ from rollout.agent import AgentEpisode, EpisodeRuntime
 from rollout.chat import make_chat_format
 from rollout.config import AgentConfig, EngineConfig
 from rollout.local_engine import LocalEngine
+from rollout.sglang.engine import SGLangEngine
 from rollout.tool_parsers import make_tool_parser
 from rollout.types import SamplingParams, Trajectory
 
@@ -24,19 +25,20 @@ class RolloutWorker:
     def __init__(self, model_path: str, engine: EngineConfig, agent: AgentConfig, guard: GuardConfig | Guard,
                  chat_format: str = "chatml", tool_format: str = "json", sandbox_backend: str = "bwrap",
                  sandbox_limits: dict | None = None, reward: str = "pass_fraction", grade_timeout_s: float = 60.0,
-                 worker_index: int = 0):
+                 worker_index: int = 0, sglang_endpoint: dict | None = None):
         # Ray sets OMP_NUM_THREADS=1 in workers without CPUs reserved: choose the thread count ourselves.
         torch.set_num_threads(engine.torch_threads or os.cpu_count() or 1)
-        if engine.type != "local":
-            raise ValueError(f"engine.type={engine.type!r} is not available yet; use 'local'")
         agent.validate()
         if isinstance(guard, GuardConfig):  # built here: an engine-backed judge cannot travel between processes
             guard = build_guard(guard, initial_policy=model_path)
         self.index = worker_index
         self.engine_cfg = engine
-        device = engine.device if engine.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, device=device,
-                                                  max_batch_size=engine.max_batch_size)
+        if engine.type == "sglang":
+            self.engine = make_sglang_engine(model_path, engine, sglang_endpoint or {})
+        else:
+            device = engine.device if engine.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, device=device,
+                                                      max_batch_size=engine.max_batch_size)
         self.runtime = EpisodeRuntime(
             engine=self.engine, tokenizer=self.engine.tokenizer, chat=make_chat_format(chat_format),
             parser=make_tool_parser(tool_format, TOOL_SPECS), guard=guard, config=agent,
@@ -68,6 +70,14 @@ class RolloutWorker:
             await self.engine.resume()
         return {"worker": self.index, "weight_version": self.engine.weight_version}
 
+    async def set_weight_version(self, version: int) -> None:
+        """The fleet now serves `version` (an SGLang engine takes samples from servers at that version only)."""
+        if isinstance(self.engine, SGLangEngine):
+            self.engine.set_weight_version(version)
+
+    async def engine_metrics(self) -> dict:
+        return self.engine.stats.as_metrics() if isinstance(self.engine, SGLangEngine) else {}
+
     async def engine_weights(self) -> dict[str, torch.Tensor]:
         """The engine's current parameters (for verifying a sync)."""
         return {k: v.detach().cpu().clone() for k, v in self.engine.model.named_parameters()}
@@ -82,6 +92,29 @@ class RolloutWorker:
     async def health(self) -> dict:
         return {"worker": self.index, "pid": os.getpid(), **(await self.engine.health())}
 
-    def shutdown(self) -> None:
-        self.engine.close()
+    async def shutdown(self) -> None:
+        if isinstance(self.engine, SGLangEngine):
+            await self.engine.close()
+        else:
+            self.engine.close()
+
+
+def make_sglang_engine(model_path: str, engine: EngineConfig, endpoint: dict) -> SGLangEngine:
+    """An SGLangEngine on the fleet's endpoint, asking for the replay data the config wants."""
+    import json
+    from pathlib import Path
+
+    from models import load_tokenizer
+
+    cfg = engine.sglang
+    replay: dict[str, int] = {}
+    if cfg.return_routed_experts or cfg.return_indexer_topk:
+        model_cfg = json.loads((Path(model_path) / "config.json").read_text())
+        if cfg.return_routed_experts:
+            replay["routed_experts"] = int(model_cfg["num_experts_per_tok"])
+        if cfg.return_indexer_topk:
+            replay["indexer_topk"] = int(model_cfg["index_topk"])
+    return SGLangEngine(endpoint.get("urls"), endpoint.get("router_url"), tokenizer=load_tokenizer(model_path),
+                        request_timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
+                        health_interval_s=cfg.health_interval_s, replay_top_k=replay)
 

@@ -21,5 +21,16 @@ if [ ! -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/rl-gguf/gguf.
     echo "setup: the reassembled GGUF has the wrong checksum" >&2; rm -f $GGUF_DIR/tmp.gguf
   fi
 fi
+# SGLang 0.5.17's pruned site tree (../shared/sglang-gpu/build_carry.sh → .carry/sglang/, two ~30 MiB parts that
+# travel in consecutive calls): unpacked once both arrived. Only the server process puts it on its PYTHONPATH.
+mkdir -p /tmp/rl-sgl-parts
+for f in .carry/sglang/*; do [ -f "$f" ] && cp -n "$f" /tmp/rl-sgl-parts/; done
+SGL=/tmp/rl-sgl-site
+if [ ! -f $SGL/.unpacked ] && [ -f /tmp/rl-sgl-parts/NPARTS ] \
+   && [ "$(ls /tmp/rl-sgl-parts/site.tar.xz.part* 2>/dev/null | wc -l)" -ge "$(cat /tmp/rl-sgl-parts/NPARTS)" ]; then
+  mkdir -p $SGL && cat /tmp/rl-sgl-parts/site.tar.xz.part* | xz -d -T0 | tar -x -C $SGL && touch $SGL/.unpacked
+fi
+[ -f $SGL/.unpacked ] && export RL_SGLANG_PYTHONPATH=$SGL
+echo "setup: sglang $([ -f $SGL/.unpacked ] && echo ready || echo "parts: $(ls /tmp/rl-sgl-parts | tr '\n' ' ')")"
 echo "setup: stack $([ -f $STACK/.unpacked ] && echo ready || echo missing)," \
      "policy $([ -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && echo ready || echo "parts: $(ls /tmp/rl-gguf | tr '\n' ' ')")"

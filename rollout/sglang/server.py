@@ -1,0 +1,234 @@
+"""One SGLang server process: launch, wait for health, stop, restart. Usable directly or as a Ray actor.
+
+The server runs in its own session (process group) so that stopping it kills the scheduler and detokenizer
+children too; a pattern kill would also match the shell that started us. Its log goes to a file whose tail is
+put into every error, because "the server died" without the reason is useless at 3 a.m.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+LOG_TAIL_CHARS = 4000
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def server_args(args: Mapping[str, Any]) -> list[str]:
+    """`{"tp": 2, "enable-foo": True, "bar": False, "x": [1, 2]}` → `--tp 2 --enable-foo --x 1 2`.
+
+    Keys may be written with `_` or `-` (Hydra users write either); values are passed as strings unchanged.
+    """
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class ManagedProcess:
+    """A server process in its own session, with a log file, a health URL and a clean stop."""
+
+    health_path = "/health"
+
+    def __init__(self, name: str, host: str = "127.0.0.1", port: int | None = None,
+                 env: Mapping[str, str] | None = None, log_dir: str | None = None, startup_timeout_s: float = 900.0):
+        self.name = name
+        self.host = host
+        self.port = port or free_port(host)
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = Path(log_dir or os.environ.get("RL_SGLANG_LOG_DIR", "/tmp")) / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command_line(self, **overrides) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, wait: bool = True, **overrides) -> str:
+        """Launch (or relaunch) the process; returns its URL once the health URL answers 200."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid})")
+        command = self.command_line(**overrides)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== start {self.starts + 1}: {' '.join(command)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True)
+        self.starts += 1
+        if wait:
+            self.wait_healthy()
+        return self.url
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        timeout_s = timeout_s or self.startup_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if http_ok(self.url + self.health_path):
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerStartError(f"{self.name} exited with code {self.proc.returncode} during start-up; "
+                                       f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.5)
+        tail = self.log_tail()
+        self.stop()
+        raise ServerStartError(f"{self.name} did not become healthy within {timeout_s:.0f} s (stopped); "
+                               f"log {self.log_path}:\n{tail}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        return self.alive() and http_ok(self.url + self.health_path)
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.alive() else None
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to the process group, SIGKILL after `grace_s` (and to any child left in the group)."""
+        if self.proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc = None
+
+    def restart(self, **overrides) -> str:
+        self.stop()
+        return self.start(**overrides)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: a crash, as the health monitor sees it (fault-injection tests)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def info(self) -> dict:
+        return {"name": self.name, "url": self.url, "pid": self.pid(), "starts": self.starts,
+                "log": str(self.log_path)}
+
+    def __del__(self):
+        try:
+            self.stop(grace_s=1.0)
+        except Exception:  # interpreter shutdown: best effort
+            pass
+
+
+class SGLangServer(ManagedProcess):
+    """`python -m sglang.launch_server --model-path M --host H --port P <args>`."""
+
+    def __init__(self, model_path: str, args: Mapping[str, Any] | None = None,
+                 launch_command: Sequence[str] = ("python", "-m", "sglang.launch_server"), name: str = "sglang-0",
+                 **process):
+        super().__init__(name, **process)
+        self.model_path = str(model_path)
+        self.args = dict(args or {})
+        self.command = [sys.executable if c == "python" else c for c in launch_command]
+
+    def command_line(self, model_path: str | None = None) -> list[str]:
+        managed = {"model-path", "host", "port"}
+        clash = [k for k in self.args if str(k).lstrip("-").replace("_", "-") in managed]
+        if clash:
+            raise ValueError(f"sglang args {clash} are set by the launcher (model path, host, port); remove them")
+        return [*self.command, "--model-path", model_path or self.model_path, "--host", self.host,
+                "--port", str(self.port), *server_args(self.args)]
+
+
+class RouterProcess(ManagedProcess):
+    """sglang-router (smg 1.9): `python -m smg.launch_router --worker-urls ... --policy P --host H --port P`.
+    Episodes stick to one server through the `X-SMG-Routing-Key` header under `consistent_hashing`."""
+
+    health_path = "/readiness"  # 200 once a healthy worker is behind it
+
+    def __init__(self, worker_urls: Sequence[str], policy: str = "consistent_hashing",
+                 args: Mapping[str, Any] | None = None,
+                 launch_command: Sequence[str] = ("python", "-m", "smg.launch_router"), name: str = "sglang-router",
+                 **process):
+        super().__init__(name, **process)
+        self.worker_urls = list(worker_urls)
+        self.policy = policy
+        self.args = {"health-check-interval-secs": 5, "log-level": "warn", **(args or {})}
+        self.command = [sys.executable if c == "python" else c for c in launch_command]
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Ready and every worker registered and healthy (registration is asynchronous: a request sent before
+        would all go to the first worker, and its key would move later)."""
+        import json
+
+        started = time.monotonic()
+        super().wait_healthy(timeout_s)
+        deadline = started + (timeout_s or self.startup_timeout_s)
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/workers", timeout=5) as r:
+                    workers = json.load(r).get("workers", [])
+                if sum(bool(w.get("is_healthy")) for w in workers) >= len(self.worker_urls):
+                    return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise ServerStartError(f"{self.name}: not every worker of {self.worker_urls} became healthy behind it; "
+                               f"log {self.log_path}:\n{self.log_tail()}")
+
+    def command_line(self) -> list[str]:
+        return [*self.command, "--worker-urls", *self.worker_urls, "--policy", self.policy, "--host", self.host,
+                "--port", str(self.port), *server_args(self.args)]

@@ -1,0 +1,249 @@
+"""Real SGLang (0.5.17) on a GPU, serving a tiny GLM-5.2-architecture checkpoint that our models/ code wrote.
+
+Skipped without a CUDA GPU or without SGLang. SGLang need not be importable here: `RL_SGLANG_PYTHONPATH` may
+name a site tree that only the server process sees (launch/gpu/sglang_setup.sh unpacks one on the H200;
+../shared/SGLANG_GPU.md says why: its transformers pin differs from ours).
+
+Checks: launch through `SGLangServer` and wait for health; generate through `SGLangEngine` with logprobs and
+replayed routing; per-token logprob parity between the server (bf16) and our trainer-side model (fp32) on the
+same tokens; weight sync by `update_weights_from_tensor` (CUDA IPC, colocated), `update_weights_from_distributed`
+(NCCL, the test process as rank 0) and `update_weights_from_disk`, each followed by the parity check against the
+new weights; abort by request id. Figures go to $RL_GPU_REPORT (JSON) when set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SITE = os.environ.get("RL_SGLANG_PYTHONPATH", "")
+os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")  # before any communicator (rollout/sglang/weights.py says why)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(not SITE and importlib.util.find_spec("sglang") is None,
+                                 reason="SGLang is not installed (nor RL_SGLANG_PYTHONPATH set)")]
+
+# The tolerances: the server computes in bf16 with its own kernels, ours in fp32 (SGLANG_GPU.md measured
+# 0.04-0.10 max and 0.005 mean against transformers at this size).
+MEAN_TOL, MAX_TOL = 0.03, 0.5
+REPORT: dict = {}
+
+
+def _config(vocab: int = 4096) -> dict:
+    from models.glm5.tiny import KERNEL_CONFIG
+
+    # sgl-kernel's DSA top-k asserts index_topk == 2048; prompts shorter than that attend densely.
+    return {**KERNEL_CONFIG, "vocab_size": vocab, "index_topk": 2048, "bos_token_id": 0, "eos_token_id": 1,
+            "pad_token_id": 1}
+
+
+def _write_checkpoint(folder: Path, seed: int) -> dict[str, torch.Tensor]:
+    from models.glm5.config import Glm5Config
+    from models.glm5.tiny import build_random
+
+    model = build_random(Glm5Config(**_config()), seed).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _our_logprobs(folder: Path, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t ≥ 1 from our implementation, fp32 on the GPU."""
+    from models import load_model
+
+    model = load_model(str(folder), "policy", dtype="float32", device="cuda").eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device="cuda")).logits[0, :-1].float()
+    out = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
+    del model
+    torch.cuda.empty_cache()
+    return out.cpu()
+
+
+async def _server_logprobs(url: str, ids: list[int]) -> torch.Tensor:
+    from rollout.sglang.client import SGLangClient
+
+    client = SGLangClient(url)
+    try:
+        body = await client.post("/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                                               "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+    finally:
+        await client.close()
+    return torch.tensor([lp for lp, _tok, *_ in body["meta_info"]["input_token_logprobs"][1:]])
+
+
+def _parity(url: str, folder: Path, prompts: list[list[int]], tag: str) -> dict:
+    ours = [_our_logprobs(folder, p) for p in prompts]
+    theirs = [asyncio.run(_server_logprobs(url, p)) for p in prompts]
+    diffs = torch.cat([(a - b).abs() for a, b in zip(ours, theirs)])
+    result = {"mean_abs": float(diffs.mean()), "max_abs": float(diffs.max()), "tokens": int(diffs.numel()),
+              "mean_logprob": float(torch.cat(ours).mean())}
+    REPORT[f"parity_{tag}"] = result
+    return result
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from rollout.sglang.server import SGLangServer
+
+    root = tmp_path_factory.mktemp("glm52")
+    folders = {seed: root / f"seed{seed}" for seed in (0, 1, 2)}
+    states = {seed: _write_checkpoint(folder, seed) for seed, folder in folders.items()}
+    env = {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0", "HF_HUB_OFFLINE": "1", "NCCL_CUMEM_ENABLE": "0",
+           "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    if SITE:
+        env["PYTHONPATH"] = SITE
+    cuda = "/usr/local/cuda"
+    if Path(cuda, "bin/nvcc").exists():
+        env.update(CUDA_HOME=cuda, PATH=f"{cuda}/bin:{os.environ.get('PATH', '')}")
+    args = {"tp": 1, "kv-cache-dtype": "bfloat16", "dsa-prefill-backend": "flashmla_sparse",
+            "dsa-decode-backend": "flashmla_sparse", "sampling-backend": "pytorch", "mem-fraction-static": 0.3,
+            "context-length": 8192, "cuda-graph-max-bs": 64, "disable-prefill-cuda-graph": True,
+            "max-running-requests": 128, "random-seed": 0, "skip-tokenizer-init": True,
+            "enable-return-routed-experts": True, "max-total-tokens": 65536}
+    server = SGLangServer(str(folders[0]), args, env=env, name="sglang-gpu-test", log_dir=str(root),
+                          startup_timeout_s=540)
+    started = time.perf_counter()
+    server.start()
+    REPORT["startup_s"] = time.perf_counter() - started
+    yield server, folders, states
+    server.stop()
+    if os.environ.get("RL_GPU_REPORT"):
+        Path(os.environ["RL_GPU_REPORT"]).write_text(json.dumps(REPORT, indent=1))
+        Path(os.environ["RL_GPU_REPORT"]).with_suffix(".log").write_text(server.log_tail(20000))
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, 4096, (n,), generator=g).tolist() for n in (64, 300, 1000)]
+
+
+def test_generate_through_the_engine(served):
+    from rollout.sglang.engine import SGLangEngine
+    from rollout.types import SamplingParams
+
+    server, _, _ = served
+
+    async def go():
+        engine = SGLangEngine([server.url], replay_top_k={"routed_experts": 4})
+        try:
+            started = time.perf_counter()
+            results = await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=32, temperature=1.0),
+                                                             session_id=f"s{i}")
+                                             for i, p in enumerate(_prompts())))
+            elapsed = time.perf_counter() - started
+        finally:
+            await engine.close()
+        return results, elapsed
+
+    results, elapsed = asyncio.run(go())
+    for prompt, r in zip(_prompts(), results):
+        assert r.finish_reason in ("length", "stop") and 0 < len(r.output_ids) <= 32
+        assert len(r.output_logprobs) == len(r.output_ids) and all(lp <= 0 for lp in r.output_logprobs)
+        routing = r.meta["routed_experts"]
+        assert routing.shape[0] == len(prompt) + len(r.output_ids) - 1 and routing.shape[2] == 4
+        assert routing.min() >= 0 and routing.max() < 16
+    REPORT["generate"] = {"requests": len(results), "seconds": elapsed,
+                          "routed_experts_shape": list(results[0].meta["routed_experts"].shape)}
+
+
+def test_logprob_parity_with_our_model(served):
+    server, folders, _ = served
+    result = _parity(server.url, folders[0], _prompts(), "seed0")
+    assert result["mean_abs"] < MEAN_TOL and result["max_abs"] < MAX_TOL, result
+
+
+def test_update_weights_from_tensor_colocated(served):
+    from rollout.sglang.weights import sync_from_tensors
+
+    server, folders, states = served
+    named = {k: v.cuda() for k, v in states[1].items()}
+    started = time.perf_counter()
+    stats = asyncio.run(sync_from_tensors([server.url], [named], version=1))
+    REPORT["tensor_sync"] = {**stats, "seconds": time.perf_counter() - started}
+    result = _parity(server.url, folders[1], _prompts()[:2], "tensor_seed1")
+    assert result["mean_abs"] < MEAN_TOL and result["max_abs"] < MAX_TOL, result
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="NCCL refuses two ranks on one GPU: the distributed sync needs the server on a second GPU")
+def test_update_weights_from_distributed_nccl(served, tmp_path):
+    """Trainer (this process, rank 0, GPU 0) → a server on GPU 1 over NCCL: the disaggregated layout."""
+    from models.training import free_port
+    from rollout.sglang.server import SGLangServer
+    from rollout.sglang.weights import sync_over_group
+
+    first, folders, states = served
+    server = SGLangServer(first.model_path, first.args, env={**first.env, "CUDA_VISIBLE_DEVICES": "1"},
+                          name="sglang-gpu1", log_dir=str(tmp_path), startup_timeout_s=540)
+    server.start()
+    try:
+        named = {k: v.cuda() for k, v in states[2].items()}
+        nbytes = sum(t.numel() * t.element_size() for t in named.values())
+        started = time.perf_counter()
+        stats, group = asyncio.run(sync_over_group([server.url], [named], 2, "127.0.0.1", free_port(),
+                                                   backend="nccl", device="cuda"))
+        first_s = time.perf_counter() - started
+        repeats = []
+        for version in (3, 4, 5):  # the steady state: the group exists
+            started = time.perf_counter()
+            asyncio.run(sync_over_group([server.url], [named], version, "127.0.0.1", 0, backend="nccl",
+                                        group=group, device="cuda"))
+            repeats.append(time.perf_counter() - started)
+        REPORT["nccl_sync"] = {**stats, "first_s": first_s, "steady_s": repeats,
+                               "steady_gb_per_s": nbytes / 2**30 / min(repeats)}
+        group.close()
+        result = _parity(server.url, folders[2], _prompts()[:2], "nccl_seed2")
+        assert result["mean_abs"] < MEAN_TOL and result["max_abs"] < MAX_TOL, result
+    finally:
+        REPORT["gpu1_log_tail"] = server.log_tail(3000)
+        server.stop()
+
+
+def test_update_weights_from_disk_and_version(served):
+    from rollout.sglang.client import SGLangClient
+    from rollout.sglang.weights import sync_from_disk
+
+    server, folders, _ = served
+    started = time.perf_counter()
+    asyncio.run(sync_from_disk([server.url], str(folders[0]), 4))
+    REPORT["disk_sync_s"] = time.perf_counter() - started
+
+    async def version():
+        client = SGLangClient(server.url)
+        try:
+            return await client.weight_version()
+        finally:
+            await client.close()
+
+    assert asyncio.run(version()) == 4
+    result = _parity(server.url, folders[0], _prompts()[:1], "disk_seed0")
+    assert result["mean_abs"] < MEAN_TOL, result
+
+
+def test_abort_by_request_id(served):
+    from rollout.sglang.engine import SGLangEngine
+    from rollout.types import SamplingParams
+
+    server, _, _ = served
+
+    async def go():
+        engine = SGLangEngine([server.url], weight_version=4)
+        try:
+            task = asyncio.create_task(engine.generate(_prompts()[0], SamplingParams(max_new_tokens=4000,
+                                                                                     ignore_eos=True),
+                                                       request_id="long-one"))
+            await asyncio.sleep(1.0)
+            await engine.abort(["long-one"])
+            return await task
+        finally:
+            await engine.close()
+
+    result = asyncio.run(go())
+    assert result.finish_reason == "abort" and len(result.output_ids) < 4000
+    REPORT["abort"] = {"tokens_before_abort": len(result.output_ids)}

@@ -1,0 +1,212 @@
+"""SGLangServer, SGLangFleet, SGLangEngine and the weight sync against real server processes that speak SGLang
+0.5.17's HTTP shapes (tests/fakes/sglang_server.py: real generation by a small model, real weight loading,
+a real gloo process group for the distributed sync) and, when installed, the real sglang-router (smg)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.config import SGLangConfig
+from rollout.sglang.client import SGLangClient
+from rollout.sglang.engine import SGLangEngine
+from rollout.sglang.fleet import SGLangFleet
+from rollout.sglang.server import RouterProcess, SGLangServer, ServerStartError
+from rollout.types import SamplingParams
+
+FAKE = [sys.executable, str(Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py")]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_path, tmp_path_factory):
+    cfg = SGLangConfig(num_servers=2, launch_command=FAKE, router="off", health_interval_s=0.5, startup_timeout_s=120)
+    fleet = SGLangFleet(cfg, tiny_path, log_dir=str(tmp_path_factory.mktemp("sglang")), use_ray=False)
+    fleet.start()
+    yield fleet
+    fleet.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with_engine(fn, **kwargs):
+    engine = SGLangEngine(**kwargs)
+    try:
+        return await fn(engine)
+    finally:
+        await engine.close()
+
+
+def test_a_server_that_cannot_start_reports_its_log(tmp_path):
+    server = SGLangServer("/no/such/model", launch_command=FAKE, log_dir=str(tmp_path), startup_timeout_s=60)
+    with pytest.raises(ServerStartError, match="exited with code") as err:
+        server.start()
+    assert "no/such/model" in str(err.value)  # the log tail names the cause
+    assert not server.alive()
+
+
+def test_generate_returns_the_models_own_logprobs(fleet, tiny_path):
+    """Through HTTP and back: the logprobs equal an independent forward of the same model (transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [1, 2, 3, 4, 5, 6]
+
+    async def go(engine):
+        return await engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=10, seed=3))
+
+    result = run(_with_engine(go, urls=fleet.urls))
+    assert len(result.output_ids) == len(result.output_logprobs) == 10 and result.finish_reason == "length"
+    reference = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    ids = torch.tensor([prompt + result.output_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    expected = logp.gather(-1, torch.tensor(result.output_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(result.output_logprobs), expected, atol=1e-4)
+
+
+def _affinity(results_by_session) -> None:
+    servers_used = set()
+    for turns in results_by_session:
+        ports = {r.meta["fake_served_by"] for r, _ in turns}
+        assert len(ports) == 1, "an episode's turns went to different servers"
+        servers_used |= ports
+        # turn 2 reuses turn 1's whole prompt from the prefix cache
+        assert turns[1][0].meta["cached_tokens"] >= turns[0][1]
+    assert len(servers_used) == 2, "every episode landed on one server"
+
+
+async def _episodes(engine, sessions: int = 12, turns: int = 2):
+    async def episode(i):
+        prompt, out = [1, 2, 3, 100 + i], []
+        for t in range(turns):
+            r = await engine.generate(prompt, SamplingParams(max_new_tokens=3, seed=t), session_id=f"episode-{i}")
+            out.append((r, len(prompt)))
+            prompt = prompt + r.output_ids + [7]
+        return out
+
+    return await asyncio.gather(*(episode(i) for i in range(sessions)))
+
+
+def test_episodes_stick_to_a_server_without_a_router(fleet):
+    _affinity(run(_with_engine(_episodes, urls=fleet.urls)))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("smg") is None, reason="sglang-router (smg) is not installed")
+def test_episodes_stick_to_a_server_behind_sglang_router(fleet, tmp_path):
+    router = RouterProcess(fleet.urls, "consistent_hashing", log_dir=str(tmp_path), startup_timeout_s=60)
+    router.start()
+    try:
+        _affinity(run(_with_engine(_episodes, router_url=router.url)))
+    finally:
+        router.stop()
+
+
+async def _read(url: str, name: str) -> torch.Tensor:
+    client = SGLangClient(url)
+    try:
+        return torch.tensor(await client.get_weights_by_name(name, 10_000))
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
+def test_weight_sync_reaches_every_server_and_stamps_the_version(fleet, tiny_path, tmp_path, mode):
+    from safetensors.torch import load_file
+
+    from models.glm5.checkpoint import save_hf  # noqa: F401  (import check only: disk mode writes HF folders)
+    from models.training import free_port
+    from rollout.sglang import weights as sync
+
+    original = load_file(f"{tiny_path}/model.safetensors")
+    changed = {k: v + 0.25 for k, v in original.items()}
+    version = {"tensor": 11, "distributed": 12, "disk": 13}[mode]
+    if mode == "tensor":
+        run(sync.sync_from_tensors(fleet.urls, [dict(list(changed.items())[:3]), dict(list(changed.items())[3:])],
+                                   version))
+    elif mode == "distributed":
+        stats, group = run(sync.sync_over_group(fleet.urls, [changed], version, "127.0.0.1", free_port(),
+                                                backend="gloo"))
+        assert stats["bytes"] == sum(t.numel() * t.element_size() for t in changed.values())
+        group.close()
+    else:
+        from safetensors.torch import save_file
+
+        save_file(changed, str(tmp_path / "model.safetensors"))
+        run(sync.sync_from_disk(fleet.urls, str(tmp_path), version))
+    for url in fleet.urls:
+        assert torch.allclose(run(_read(url, "model.norm.weight")), changed["model.norm.weight"])
+
+    async def sample(engine):
+        return await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+
+    assert run(_with_engine(sample, urls=fleet.urls, weight_version=version)).meta["weight_version"] == version
+    run(sync.sync_from_disk(fleet.urls, tiny_path, 0))  # back to the original weights for the next test
+
+
+def test_abort_by_request_id(fleet):
+    async def go(engine):
+        task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3000), request_id="long"))
+        await asyncio.sleep(1.0)
+        await engine.abort(["long"])
+        return await task
+
+    result = run(_with_engine(go, urls=fleet.urls))
+    assert result.finish_reason == "abort" and len(result.output_ids) < 3000
+
+
+def test_requests_cut_by_a_weight_update_are_rerun_on_the_new_weights(fleet, tiny_path, tmp_path):
+    """pause_mode=abort: in-flight requests end with 'abort' on the server; the engine runs them again once
+    the new version is served. Every request returns once, complete, from the new weights."""
+    from rollout.sglang.weights import sync_from_disk
+
+    async def go(engine):
+        requests = [asyncio.create_task(engine.generate([1, 2, 3, i], SamplingParams(max_new_tokens=400, seed=i)))
+                    for i in range(4)]
+        await asyncio.sleep(1.0)
+        await sync_from_disk(fleet.urls, tiny_path, 21, pause_mode="abort")
+        engine.set_weight_version(21)
+        return await asyncio.gather(*requests), engine.stats.aborted_by_server
+
+    results, aborted = run(_with_engine(go, urls=fleet.urls))
+    assert aborted >= 1
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 400 for r in results)
+    assert all(r.meta["weight_version"] == 21 for r in results)
+
+
+def test_a_dead_server_loses_no_request_and_is_restarted_with_the_weights(fleet):
+    """Kill one server while requests run on both: they finish on the other; the monitor restarts the dead one
+    and calls the re-sync hook; once it serves the current version, the engine uses it again."""
+    from rollout.sglang.weights import sync_from_disk
+
+    resyncs = []
+
+    def resync():
+        run(sync_from_disk(fleet.urls, fleet.model_path, 21))
+        resyncs.append(time.monotonic())
+
+    fleet.start_monitor(resync)
+
+    async def go(engine):
+        requests = [asyncio.create_task(engine.generate([5, 6, 7, i], SamplingParams(max_new_tokens=300, seed=i),
+                                                        session_id=f"ep-{i}")) for i in range(8)]
+        await asyncio.sleep(1.0)
+        fleet.kill(0)
+        results = await asyncio.gather(*requests)
+        deadline = time.monotonic() + 120
+        while not resyncs and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        after = await _episodes(engine, sessions=8, turns=1)
+        return results, engine.stats, after
+
+    results, stats, after = run(_with_engine(go, urls=fleet.urls, weight_version=21, health_interval_s=0.5))
+    assert all(len(r.output_ids) == 300 for r in results)
+    assert stats.server_failures >= 1 and stats.retries >= 1
+    assert fleet.restarts == 1 and resyncs
+    assert {turns[0][0].meta["fake_served_by"] for turns in after} == {int(u.rsplit(":", 1)[1]) for u in fleet.urls}
