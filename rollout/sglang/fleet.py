@@ -13,6 +13,7 @@ With `urls` (or `router_url`) in the config the fleet attaches to servers someon
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 import time
@@ -63,6 +64,10 @@ class SGLangFleet:
             self.urls = [info["url"] for info in self.urls]
             log.info("%d SGLang server(s) up in %.0f s: %s", len(self.urls), time.perf_counter() - started, self.urls)
         use_router = cfg.router == "on" or (cfg.router == "auto" and len(self.urls) > 1)
+        if use_router and cfg.router == "auto" and not self.router_url and importlib.util.find_spec("smg") is None:
+            log.warning("sglang-router (pip install smg) is not installed: episodes are kept on their server by "
+                        "the client (rendezvous hashing) instead")
+            use_router = False
         if use_router and not self.router_url:
             self.router = RouterProcess(self.urls, cfg.router_policy, host=cfg.host, log_dir=self.log_dir,
                                         startup_timeout_s=120.0)

@@ -28,7 +28,7 @@ class ScriptedEngine:
         self.tokenizer, self.replies, self.weight_version = tokenizer, list(replies), 3
         self.prompts = []
 
-    async def generate(self, input_ids, sampling, request_id=None):
+    async def generate(self, input_ids, sampling, request_id=None, session_id=None):
         self.prompts.append(list(input_ids))
         text = self.replies.pop(0) if self.replies else "I have nothing more to say."
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][:sampling.max_new_tokens - 1]
