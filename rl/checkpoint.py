@@ -28,7 +28,8 @@ class Checkpointer:
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         save_actor(str(folder / "actor"))
-        save_critic(str(folder / "critic"))
+        if save_critic is not None:  # None: a run without a critic (pure on-policy distillation)
+            save_critic(str(folder / "critic"))
         (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
         tmp = self.root / "latest.tmp"
         tmp.write_text(folder.name)

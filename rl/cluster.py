@@ -27,7 +27,7 @@ from rollout.worker import RolloutWorker
 @dataclass
 class Workers:
     actor: ray.actor.ActorHandle
-    critic: ray.actor.ActorHandle
+    critic: ray.actor.ActorHandle | None
     rollout: list[ray.actor.ActorHandle]
     fleet: SGLangFleet | None = None  # engine.type=sglang: the servers the rollout workers talk to
     weight_sync_dir: str = ""
@@ -51,7 +51,7 @@ def start_ray(cfg: Config) -> None:
                  log_to_driver=True, configure_logging=False, runtime_env={"env_vars": env_vars} if env_vars else None)
 
 
-def spawn(cfg: Config, policy: str, critic: str, run_dir: str = "") -> Workers:
+def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Workers:
     t = cfg.trainer
     fleet = None
     if cfg.engine.type == "sglang":  # first: the servers take minutes to load, and their GPUs come first
@@ -63,9 +63,11 @@ def spawn(cfg: Config, policy: str, critic: str, run_dir: str = "") -> Workers:
     actor = ray.remote(num_cpus=0, num_gpus=t.actor_gpus)(ActorWorker).remote(
         policy, OptimConfig(learning_rate=t.learning_rate, **common), cfg.algorithm,
         temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=threads)
-    critic_worker = ray.remote(num_cpus=0, num_gpus=t.critic_gpus)(CriticWorker).remote(
-        critic, OptimConfig(learning_rate=t.critic_learning_rate, **common), cfg.algorithm.value_clip or None,
-        dtype=cfg.model.dtype, seed=cfg.seed + 1, torch_threads=threads)
+    critic_worker = None
+    if critic is not None:  # pure on-policy distillation trains no critic
+        critic_worker = ray.remote(num_cpus=0, num_gpus=t.critic_gpus)(CriticWorker).remote(
+            critic, OptimConfig(learning_rate=t.critic_learning_rate, **common), cfg.algorithm.value_clip or None,
+            dtype=cfg.model.dtype, seed=cfg.seed + 1, torch_threads=threads)
     limits = dict(vars(cfg.env.limits))
     rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,
                           max_concurrency=cfg.engine.max_concurrent_episodes + 8)(RolloutWorker).remote(
@@ -73,8 +75,7 @@ def spawn(cfg: Config, policy: str, critic: str, run_dir: str = "") -> Workers:
         sandbox_backend=cfg.env.sandbox, sandbox_limits=limits, reward=cfg.env.reward,
         grade_timeout_s=cfg.env.grade_timeout_s, worker_index=i, sglang_endpoint=fleet.endpoint() if fleet else None)
         for i in range(cfg.engine.num_workers)]
-    ray.get([actor.__ray_ready__.remote(), critic_worker.__ray_ready__.remote()]
-            + [w.__ray_ready__.remote() for w in rollout])
+    ray.get([h.__ray_ready__.remote() for h in (actor, critic_worker, *rollout) if h is not None])
     sync_dir = cfg.engine.sglang.weight_sync_dir or (f"{run_dir}/weights" if run_dir else "/tmp/agentic-rl-weights")
     return Workers(actor, critic_worker, rollout, fleet, sync_dir)
 

@@ -1,0 +1,264 @@
+"""`python -m opd.distill +experiment=opd_merge`: merge expert checkpoints into one student by parallel
+on-policy distillation (ALGORITHMS.md §3).
+
+One step: the student runs agent episodes on the task mixture; each finished trajectory goes at once to the
+teacher that owns its domain, which scores the student's tokens (prefill only) while other episodes still run
+→ d̂ = log μ − log π_T per action token → the advantage −λ·clip(d̂) (added to critic-PPO advantages in
+`opd.mode=ppo_opd`) → one PPO-clip update of the student → its weights to the engines. Per-domain reverse KL,
+per-domain pass rates of the student (and, once, of each teacher), checkpoints and `resume=true` as in rl.train;
+the merged student is saved in HF format at the end (`<run>/student`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import hydra
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from environments import load_tasks
+from models import resolve_model_path
+from opd.advantages import opd_advantages
+from opd.config import DistillConfig, register_opd_configs, validate_opd
+from opd.teacher import TeacherWorker, check_same_tokenizer
+from rl.actor import needs_reference
+from rl.batch import add_advantages, to_samples, trainable
+from rl.checkpoint import Checkpointer
+from rl.cluster import Workers, guard_metrics, push_weights, run_episodes, spawn, start_ray
+from rl.config import validate
+from rl.data import TaskSampler
+from rl.metrics import MetricsLogger, plot_curves
+from rl.stats import trajectory_metrics
+from rl.train import Timer, check_sandbox, prepare_run_dir, write_audit
+
+log = logging.getLogger("opd.distill")
+
+
+def spawn_teachers(cfg: DistillConfig) -> dict[str, ray.actor.ActorHandle]:
+    """One Ray worker per teacher, all loading at once."""
+    handles = {}
+    for t in cfg.opd.teachers:
+        handles[t.name] = ray.remote(num_cpus=0, num_gpus=t.gpus)(TeacherWorker).remote(
+            t.name, t.path, t.engine, temperature=cfg.engine.temperature, dtype=cfg.model.dtype,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens, torch_threads=cfg.trainer.torch_threads,
+            sglang_args=dict(cfg.engine.sglang.args))
+    ray.get([h.__ray_ready__.remote() for h in handles.values()])
+    return handles
+
+
+def rollout_and_score(w: Workers, teachers: dict, owner: dict, tasks, seed: int, desc: str):
+    """Episodes on the rollout workers; each finished one is scored by its domain's teacher right away, so
+    scoring overlaps the episodes still running. Returns (trajectories, samples with teacher_logprobs, timing)."""
+    refs = [w.rollout[i % len(w.rollout)].run_episode.remote(task, "train", seed * 1_000_003 + i)
+            for i, task in enumerate(tasks)]
+    index = {ref: i for i, ref in enumerate(refs)}
+    trajs: list = [None] * len(refs)
+    scoring: list[tuple[int, list[dict], ray.ObjectRef]] = []
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        i = index[done[0]]
+        traj = trajs[i] = ray.get(done[0])
+        kept, _ = trainable([traj])
+        if kept:
+            samples = to_samples(kept)
+            for s in samples:
+                s["domain"] = traj.domain
+            scoring.append((i, samples, teachers[owner[traj.domain].name].score.remote(samples)))
+    rollout_end = time.perf_counter()
+    for _, samples, ref in scoring:
+        for s, lps in zip(samples, ray.get(ref)):
+            s["teacher_logprobs"] = lps
+    waited = time.perf_counter() - rollout_end
+    return trajs, scoring, waited
+
+
+def per_domain(trajs, prefix: str) -> dict:
+    out = {}
+    for d in sorted({t.domain for t in trajs}):
+        out.update(trajectory_metrics([t for t in trajs if t.domain == d], f"{prefix}/{d}"))
+    return out
+
+
+def distill_step(cfg: DistillConfig, w: Workers, teachers: dict, owner: dict, sampler: TaskSampler, step: int,
+                 audit) -> dict:
+    timer = Timer()
+    trajs, scored, waited = rollout_and_score(w, teachers, owner, sampler.next(cfg.trainer.episodes_per_step),
+                                              cfg.seed + step, f"step {step + 1}")
+    busy = sum(s["busy_s"] for s in ray.get([t.stats.remote() for t in teachers.values()]))
+    metrics = {**trajectory_metrics(trajs, "rollout"), **per_domain(trajs, "rollout"), **guard_metrics(w),
+               "perf/rollout_s": timer.lap(), "perf/teacher_scoring_s": busy, "perf/teacher_wait_s": waited,
+               # the share of teacher scoring hidden behind the rollout (goal ≥ 0.8)
+               "perf/teacher_overlap": 1.0 - min(waited / busy, 1.0) if busy > 0 else 1.0}
+    write_audit(audit, step + 1, trajs)
+    if not scored:
+        log.warning("step %d: no trainable trajectory; no update", step + 1)
+        return metrics
+    kept = [trajs[i] for i, _, _ in scored]
+    samples = []
+    for k, (_, traj_samples, _) in enumerate(scored):
+        for s in traj_samples:
+            s["traj"] = k
+            samples.append(s)
+    if needs_reference(cfg.algorithm):  # π_old and π_ref for the KL to the reference, as in rl.train
+        for key, values in ray.get(w.actor.compute_logprobs.remote(samples)).items():
+            for s, v in zip(samples, values):
+                s[key] = v
+    if cfg.opd.mode == "ppo_opd":
+        for s, v in zip(samples, ray.get(w.critic.compute_values.remote(samples))):
+            s["values"] = v
+        metrics.update(add_advantages(samples, kept, cfg.algorithm))
+        metrics.update(ray.get(w.critic.train_step.remote(samples)))
+    metrics.update(opd_advantages(samples, cfg.opd.kl_coef, cfg.opd.kl_clip, add_to_existing=cfg.opd.mode == "ppo_opd"))
+    metrics["perf/opd_s"] = timer.lap()
+    metrics.update(ray.get(w.actor.train_step.remote(samples)))
+    metrics.update(push_weights(w, step + 1, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync))
+    metrics["perf/train_s"] = timer.lap()
+    return metrics
+
+
+def evaluate_student(cfg: DistillConfig, w: Workers, tasks, step: int) -> dict:
+    started = time.perf_counter()
+    trajs = run_episodes(w, tasks, "eval", 10_000 + step, "eval")
+    return {**trajectory_metrics(trajs, "eval"), **per_domain(trajs, "eval"), "perf/eval_s": time.perf_counter() - started}
+
+
+def evaluate_teachers(cfg: DistillConfig, tasks) -> dict:
+    """Each teacher as the policy of a rollout worker, on the held-out tasks of every domain (its own domains
+    are the target the student should approach)."""
+    from rollout.worker import RolloutWorker
+
+    out = {}
+    for t in cfg.opd.teachers:
+        worker = ray.remote(num_cpus=0, num_gpus=t.gpus, max_concurrency=cfg.engine.max_concurrent_episodes + 8)(
+            RolloutWorker).remote(str(resolve_model_path(t.path)), cfg.engine.__class__(**{
+                **vars(cfg.engine), "type": "local"}), cfg.agent, cfg.guard, chat_format=cfg.model.chat_format,
+                tool_format=cfg.model.tool_format, sandbox_backend=cfg.env.sandbox,
+                sandbox_limits=dict(vars(cfg.env.limits)), reward=cfg.env.reward,
+                grade_timeout_s=cfg.env.grade_timeout_s)
+        trajs = ray.get([worker.run_episode.remote(task, "eval", 10_000 + i) for i, task in enumerate(tasks)])
+        for key, value in per_domain(trajs, f"teacher/{t.name}/eval").items():
+            out[key] = value
+        ray.get(worker.shutdown.remote())
+        ray.kill(worker)
+    return out
+
+
+def distill(cfg: DistillConfig) -> dict:
+    validate(cfg)
+    task_set = load_tasks(cfg.env.tasks)
+    for index, reason in task_set.skipped:
+        log.warning("task record %d skipped: %s", index, reason)
+    train_tasks, eval_tasks = task_set.split(cfg.env.train_split), task_set.split(cfg.env.eval_split)
+    if cfg.trainer.eval_max_tasks:  # every domain keeps held-out tasks: take them in turn
+        eval_tasks = round_robin_by_domain(eval_tasks)[:cfg.trainer.eval_max_tasks]
+    owner = validate_opd(cfg, {t.domain for t in train_tasks + eval_tasks})
+    student = str(resolve_model_path(cfg.model.name))
+    check_same_tokenizer(student, {t.name: str(resolve_model_path(t.path)) for t in cfg.opd.teachers})
+    check_sandbox(cfg.env.sandbox)
+    run_dir = prepare_run_dir(cfg)
+    checkpoints = Checkpointer(run_dir, cfg.trainer.keep_checkpoints)
+    resume_from = checkpoints.latest() if cfg.resume else None
+    sampler = TaskSampler(train_tasks, cfg.seed)
+    log.info("OPD %s: student %s, teachers %s, %d train / %d held-out tasks", run_dir, student,
+             {t.name: t.domains for t in cfg.opd.teachers}, len(train_tasks), len(eval_tasks))
+
+    start_ray(cfg)
+    critic = str(resolve_model_path(cfg.model.critic or cfg.model.name)) if cfg.opd.mode == "ppo_opd" else None
+    w = spawn(cfg, student, critic, str(run_dir))
+    teachers = spawn_teachers(cfg)
+    start = 0
+    if resume_from is not None:
+        state = Checkpointer.load_state(resume_from)
+        ray.get(w.actor.load.remote(str(resume_from / "actor")))
+        if w.critic is not None:
+            ray.get(w.critic.load.remote(str(resume_from / "critic")))
+        sampler.load_state_dict(state["sampler"])
+        start = state["step"]
+        push_weights(w, start, cfg.trainer.weight_sync_bucket_mb)
+        log.info("resumed from %s at step %d", resume_from, start)
+    logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
+                           OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
+    final: dict = {}
+    with open(run_dir / "guard_audit.jsonl", "a") as audit:
+        if start == 0 and eval_tasks:
+            first = evaluate_student(cfg, w, eval_tasks, 0)
+            if cfg.opd.eval_teachers:
+                first.update(evaluate_teachers(cfg, eval_tasks))
+            logger.log(0, first)
+            final.update(first)
+            log.info("step 0 | %s", domain_line(first, cfg))
+        for step in range(start, cfg.trainer.steps):
+            timer = Timer()
+            metrics = distill_step(cfg, w, teachers, owner, sampler, step, audit)
+            last = step + 1 == cfg.trainer.steps
+            if eval_tasks and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
+                metrics.update(evaluate_student(cfg, w, eval_tasks, step + 1))
+            if last or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
+                timer.lap()
+                checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
+                                 (lambda f: ray.get(w.critic.save.remote(f))) if w.critic is not None else None,
+                                 {"step": step + 1, "sampler": sampler.state_dict(), "seed": cfg.seed})
+                metrics["perf/checkpoint_s"] = timer.lap()
+            metrics["perf/step_s"] = timer.total()
+            logger.log(step + 1, metrics)
+            final.update(metrics)
+            log.info("step %d | reverse KL %.3f | %s | %.0fs", step + 1, metrics.get("opd/reverse_kl", 0.0),
+                     domain_line(metrics, cfg), metrics["perf/step_s"])
+    ray.get(w.actor.save_hf.remote(str(run_dir / "student"), student))
+    logger.close()
+    if cfg.logging.plot:
+        domains = sorted(owner)
+        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", curves=[
+            ("opd/reverse_kl", *[f"opd/reverse_kl/{d}" for d in domains]),
+            tuple(f"eval/{d}/pass_rate" for d in domains), ("rollout/reward_mean", "eval/reward_mean"),
+            ("actor/entropy",), ("opd/clipped_frac", "actor/clipfrac"), ("perf/teacher_overlap",),
+            ("perf/step_s", "perf/rollout_s", "perf/train_s")])
+    (run_dir / "summary.json").write_text(json.dumps(final, indent=1, default=str))
+    ray.get([t.shutdown.remote() for t in teachers.values()])
+    if w.fleet is not None:
+        w.fleet.stop()
+    ray.shutdown()
+    return final
+
+
+def round_robin_by_domain(tasks):
+    by_domain: dict[str, list] = {}
+    for t in tasks:
+        by_domain.setdefault(t.domain, []).append(t)
+    out, queues = [], [list(v) for _, v in sorted(by_domain.items())]
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
+
+
+def domain_line(m: dict, cfg: DistillConfig) -> str:
+    parts = []
+    for t in cfg.opd.teachers:
+        for d in t.domains:
+            bits = [f"{d}:"]
+            if f"opd/reverse_kl/{d}" in m:
+                bits.append(f"KL {m[f'opd/reverse_kl/{d}']:.3f}")
+            if f"eval/{d}/pass_rate" in m:
+                bits.append(f"student {m[f'eval/{d}/pass_rate']:.2f}")
+            if f"teacher/{t.name}/eval/{d}/pass_rate" in m:
+                bits.append(f"teacher {m[f'teacher/{t.name}/eval/{d}/pass_rate']:.2f}")
+            parts.append(" ".join(bits))
+    return " | ".join(parts)
+
+
+register_opd_configs()
+
+
+@hydra.main(config_path="../configs", config_name="opd", version_base=None)
+def main(dcfg: DictConfig) -> None:
+    distill(OmegaConf.to_object(dcfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""OPD pieces against hand-computed cases and real models: the advantage, routing checks, teacher scoring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opd.advantages import opd_advantages
+from opd.config import DistillConfig, OPDConfig, TeacherConfig, validate_opd
+
+
+def test_advantage_is_minus_lambda_times_the_clipped_reverse_kl():
+    samples = [{"domain": "a", "loss_mask": [0, 1, 1, 1], "rollout_logprobs": [0.0, -1.0, -0.5, -3.0],
+                "teacher_logprobs": [0.0, -2.0, -0.25, -0.5]},
+               {"domain": "b", "loss_mask": [1, 0], "rollout_logprobs": [-0.1, 0.0], "teacher_logprobs": [-0.1, 9.0]}]
+    m = opd_advantages(samples, kl_coef=0.5, kl_clip=2.0)
+    # d̂ = μ − teacher: [1.0, -0.25, -2.5 → clipped to -2.0] and [0.0]
+    assert samples[0]["advantages"] == [0.0, -0.5, 0.125, 1.0]
+    assert samples[1]["advantages"] == [0.0, 0.0]
+    assert m["opd/reverse_kl/a"] == pytest.approx((1.0 - 0.25 - 2.5) / 3)  # the unclipped estimate is logged
+    assert m["opd/reverse_kl/b"] == 0.0 and m["opd/clipped_frac"] == pytest.approx(1 / 4) and m["opd/tokens"] == 4
+
+
+def test_advantage_adds_to_ppo_advantages_in_ppo_opd():
+    samples = [{"domain": "a", "loss_mask": [1, 1], "rollout_logprobs": [-1.0, -1.0],
+                "teacher_logprobs": [-1.5, -0.5], "advantages": [0.3, 0.3]}]
+    opd_advantages(samples, kl_coef=1.0, kl_clip=10.0, add_to_existing=True)
+    assert samples[0]["advantages"] == pytest.approx([0.3 - 0.5, 0.3 + 0.5])
+
+
+def _cfg(*teachers, mode="opd"):
+    return DistillConfig(opd=OPDConfig(teachers=list(teachers), mode=mode))
+
+
+def test_routing_needs_one_teacher_per_domain():
+    owner = validate_opd(_cfg(TeacherConfig("f", "p", ["function"]), TeacherConfig("b", "q", ["bugfix"])),
+                         {"function", "bugfix"})
+    assert owner["function"].name == "f" and owner["bugfix"].name == "b"
+    with pytest.raises(ValueError, match=r"task domains \['bugfix'\] have no teacher"):
+        validate_opd(_cfg(TeacherConfig("f", "p", ["function"])), {"function", "bugfix"})
+    with pytest.raises(ValueError, match="two teachers"):
+        validate_opd(_cfg(TeacherConfig("f", "p", ["function"]), TeacherConfig("g", "q", ["function"])), {"function"})
+    with pytest.raises(ValueError, match="needs name, path and domains"):
+        validate_opd(_cfg(TeacherConfig("f", "", ["function"])), {"function"})
+    with pytest.raises(ValueError, match="opd.mode"):
+        validate_opd(_cfg(TeacherConfig("f", "p", ["function"]), mode="sft"), {"function"})
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(tiny_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    from opd.teacher import check_same_tokenizer
+
+    check_same_tokenizer(tiny_path, {"same": tiny_path})
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    tok.add_tokens(["<extra_teacher_token>"])
+    other = tmp_path / "other"
+    tok.save_pretrained(other)
+    (other / "config.json").write_text((__import__("pathlib").Path(tiny_path) / "config.json").read_text())
+    with pytest.raises(ValueError, match="different tokenizer"):
+        check_same_tokenizer(tiny_path, {"odd": str(other)})
+
+
+def test_teacher_scores_equal_an_independent_forward(tiny_path):
+    """TeacherWorker (chunked, micro-batched) = log-softmax of a plain transformers forward at temperature T."""
+    from transformers import AutoModelForCausalLM
+
+    from opd.teacher import TeacherWorker
+
+    teacher = TeacherWorker("t", tiny_path, temperature=0.7, micro_batch_tokens=64)
+    samples = [{"token_ids": list(range(5, 25)), "loss_mask": [0] * 8 + [1] * 12},
+               {"token_ids": list(range(40, 47)), "loss_mask": [0, 0, 1, 1, 0, 1, 1]}]
+    scores = teacher.score(samples)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    for s, got in zip(samples, scores):
+        ids = torch.tensor([s["token_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float() / 0.7, -1)
+        want = [0.0] + logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()
+        for m, g, w in zip(s["loss_mask"], got, want):
+            if m:
+                assert g == pytest.approx(w, abs=1e-4)
+    assert teacher.stats()["tokens"] == 12 + 4
