@@ -222,7 +222,8 @@ def call_facts(call: ToolCall, context: GuardContext) -> CallFacts:
                 facts.modified += [p for p in _PY_PATHS.findall(source)]
         facts.modified += _PY_WRITE.findall(source) + [m for m in _PY_REMOVE.findall(source) if m]
         facts.read += _PY_PATHS.findall(source)
-        facts.text += "\n" + source
+        if source not in facts.text:  # a written file's content is the call's text already: not twice
+            facts.text += "\n" + source
     facts.modified = [_through_aliases(normalize(p), context) for p in facts.modified if p]
     facts.read = [_through_aliases(normalize(p), context) for p in facts.read if p]
     return facts

@@ -34,7 +34,7 @@ class ShellCommand:
         return self.name.startswith(_PYTHONS)
 
 
-_HEREDOC = re.compile(r"<<(-?)[ \t]*(['\"]?)([A-Za-z_][\w.-]*)\2")
+_HEREDOC = re.compile(r"(?<!<)<<(?!<)(-?)[ \t]*(['\"]?)([A-Za-z_][\w.-]*)\2")  # not <<< (a here-string)
 _VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
 
 
@@ -133,12 +133,21 @@ def _split_quoted_list(command: str) -> list[ShellCommand] | None:
     return commands
 
 
+READER_STATS = {"reader": 0, "bashlex": 0, "tokens": 0}  # how the full parses of this process were read
+
+
 def _parse_full(command: str, depth: int) -> list[ShellCommand]:
     text, bodies = _lift_heredocs(command)
-    try:
-        commands = _parse_bashlex(text)
-    except Exception:  # bashlex rejects some valid bash (and all invalid bash): read the words anyway
-        commands = _parse_tokens(text)
+    commands = read_shell(text)
+    if commands is not None:
+        READER_STATS["reader"] += 1
+    else:  # what our reader does not understand: bashlex
+        try:
+            commands = _parse_bashlex(text)
+            READER_STATS["bashlex"] += 1
+        except Exception:  # bashlex rejects some valid bash (and all invalid bash): read the words anyway
+            commands = _parse_tokens(text)
+            READER_STATS["tokens"] += 1
     for cmd in commands:
         for i, (op, target) in enumerate(cmd.redirects):
             if op == "<<<" and target in bodies:
@@ -295,3 +304,6 @@ def _inline_scripts(cmd: ShellCommand) -> list[str]:
         elif cmd.stdin_script and (len(argv) == 1 or argv[1] == "-"):
             cmd.python_code.append(cmd.stdin_script)
     return []
+
+
+from antihack.shell_reader import read_shell  # last: it reads into ShellCommand, defined above

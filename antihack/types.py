@@ -18,7 +18,7 @@ TEST_PATTERNS = ("tests/*", "test/*", "*/tests/*", "*/test/*", "test_*.py", "*/t
 _GLOB = set("*?[")
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=4096)
 def _compiled(patterns: tuple[str, ...]) -> re.Pattern:
     """One regex for a set of globs: a path matches a glob, its folder form, or lies under a `dir/*` glob."""
     parts = []
@@ -32,6 +32,24 @@ def _compiled(patterns: tuple[str, ...]) -> re.Pattern:
     return re.compile("|".join(f"(?:{p})" for p in parts) or r"(?!x)x", re.DOTALL)
 
 
+@functools.lru_cache(maxsize=1024)
+def _matcher(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[re.Pattern, ...]]:
+    """What `_compiled(patterns)` matches, split for speed: the exact paths that patterns without glob
+    characters name (a path or its folder form), and one regex per glob, cached per glob (each task has its own
+    set of protected paths, but the globs in them recur: a new task compiles nothing, or little)."""
+    exact: set[str] = set()
+    globs = []
+    for pat in patterns:
+        if _GLOB & set(pat):
+            globs.append(_compiled((pat,)))
+        else:
+            exact.add(pat)
+            stem = pat.rstrip("/")
+            if stem:
+                exact.add(stem)
+    return frozenset(exact), tuple(globs)
+
+
 def path_matches(path: str, patterns, glob_path: bool = False) -> bool:
     """Whether `path` falls under one of `patterns` (globs). With `glob_path`, a `path` that is itself a glob
     (a shell loop or `find -name` target) also matches when it covers a pattern: for writes, where a glob
@@ -39,7 +57,8 @@ def path_matches(path: str, patterns, glob_path: bool = False) -> bool:
     if not patterns:
         return False
     p = path[2:] if path.startswith("./") else path
-    if _compiled(tuple(patterns)).match(p):
+    exact, globs = _matcher(patterns if type(patterns) is tuple else tuple(patterns))
+    if p in exact or any(g.match(p) for g in globs):
         return True
     if glob_path and _GLOB & set(p):
         covers = _compiled((p, "*/" + p.lstrip("*/")))
