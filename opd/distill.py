@@ -88,9 +88,12 @@ def distill_step(cfg: DistillConfig, w: Workers, teachers: dict, owner: dict, sa
     timer = Timer()
     trajs, scored, waited = rollout_and_score(w, teachers, owner, sampler.next(cfg.trainer.episodes_per_step),
                                               cfg.seed + step, f"step {step + 1}")
-    busy = sum(s["busy_s"] for s in ray.get([t.stats.remote() for t in teachers.values()]))
+    stats = ray.get([t.stats.remote() for t in teachers.values()])
+    busy = sum(s["busy_s"] for s in stats)
+    scored_tokens = sum(s["tokens"] for s in stats)
     metrics = {**trajectory_metrics(trajs, "rollout"), **per_domain(trajs, "rollout"), **guard_metrics(w),
                "perf/rollout_s": timer.lap(), "perf/teacher_scoring_s": busy, "perf/teacher_wait_s": waited,
+               "perf/teacher_tokens_per_s": scored_tokens / busy if busy > 0 else 0.0,
                # the share of teacher scoring hidden behind the rollout (goal ≥ 0.8)
                "perf/teacher_overlap": 1.0 - min(waited / busy, 1.0) if busy > 0 else 1.0}
     write_audit(audit, step + 1, trajs)
