@@ -59,13 +59,15 @@ def cmd_list(args) -> int:
             print(json.dumps({"id": t.id, "split": t.split, "domain": t.domain, "difficulty": t.difficulty,
                               "visible_tests": len(t.visible_tests), "hidden_tests": len(t.hidden_tests),
                               "reference_solution": bool(t.reference_solution),
-                              "docker_image": t.metadata.get("docker_image")}))
+                              "docker_image": t.metadata.get("docker_image"), "kind": t.kind,
+                              "fail_to_pass": len(t.fail_to_pass), "pass_to_pass": len(t.pass_to_pass)}))
         return 0
     width = max([len(t.id) for t in tasks] + [2])
-    print(f"{'id':<{width}}  {'split':<8} {'domain':<10} diff  tests(visible/hidden)  statement")
+    sw = max([len(t.split) for t in tasks] + [8])
+    print(f"{'id':<{width}}  {'split':<{sw}} {'domain':<10} diff  tests(visible/hidden)  statement")
     for t in tasks:
         statement = " ".join(t.statement.split())
-        print(f"{t.id:<{width}}  {t.split:<8} {t.domain:<10} {t.difficulty:>4}  {len(t.visible_tests):>6}/"
+        print(f"{t.id:<{width}}  {t.split:<{sw}} {t.domain:<10} {t.difficulty:>4}  {len(t.visible_tests):>6}/"
               f"{len(t.hidden_tests):<14} {statement[:60] + ('…' if len(statement) > 60 else '')}")
     print(f"{len(tasks)} task(s)", file=sys.stderr)
     return 0
@@ -73,7 +75,11 @@ def cmd_list(args) -> int:
 
 # ---- grade ------------------------------------------------------------------------------------------------------
 def _show(label: str, task: Task, result) -> None:
-    print(f"{task.id}  {label:<9} reward {result.reward:.3f}  passed {result.passed}  failed {result.failed}  "
+    repo = ""
+    if task.is_repo:  # SWE-style: which of the listed tests pass
+        f2p, p2p = result.details["fail_to_pass"], result.details["pass_to_pass"]
+        repo = f"  FAIL_TO_PASS {f2p['passed']}/{f2p['total']}  PASS_TO_PASS {p2p['passed']}/{p2p['total']}"
+    print(f"{task.id}  {label:<9} reward {result.reward:.3f}  passed {result.passed}  failed {result.failed}{repo}  "
           f"({result.details['duration']:.1f} s)")
     for test, outcome in result.details["outcomes"].items():
         if outcome != "passed":

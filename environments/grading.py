@@ -4,30 +4,94 @@ The agent's files are copied into a new sandbox, the official test files are wri
 did to them, the hidden tests are run, and the report is parsed here, outside the sandbox. The tests that
 count are read from the hidden test files' source (not from the report): a test that is missing from the
 report, skipped, or never collected counts as failed.
+
+Repository tasks (`task.is_repo`, SWE-bench style): the agent's diff against the base snapshot (its workspace,
+its files, or a unified diff applied with `git apply`) goes onto a fresh copy of the base; the official test
+files (visible and hidden) and the snapshot's pytest configuration are written over it; the test files named by
+FAIL_TO_PASS and PASS_TO_PASS run, and exactly those tests count: a PASS_TO_PASS test that breaks fails, as
+does a listed test that is missing from the report.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from environments.sandbox import make_sandbox, task_sandbox_options
-from environments.types import GradeResult, Task, TaskFile
+from environments.types import GradeResult, RepoFile, Task, TaskFile
 
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".git"}
 MAX_FILES = 500
 MAX_FILE_BYTES = 1_000_000
 
 
-def setup_workspace(workspace: Path, files: list[TaskFile], owner_uid: int | None = None) -> None:
-    """Write task files into a new, empty workspace (host side, before any agent code has run)."""
+_PYTEST_CONFIG = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml"}
+BASE_COMMIT_MESSAGE = "base commit"
+_GIT_IDENTITY = {"GIT_AUTHOR_NAME": "agentic-rl", "GIT_AUTHOR_EMAIL": "tasks@agentic-rl.invalid",
+                 "GIT_COMMITTER_NAME": "agentic-rl", "GIT_COMMITTER_EMAIL": "tasks@agentic-rl.invalid",
+                 "GIT_AUTHOR_DATE": "2024-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2024-01-01T00:00:00+0000"}
+
+
+def _git(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """git on the host with no user or system configuration (no hooks, no signing, no pager)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd), "LANG": "C", "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CEILING_DIRECTORIES": str(Path(cwd).parent), **_GIT_IDENTITY}
+    try:
+        return subprocess.run(["git", "-c", "core.hooksPath=" + os.devnull, "-c", "commit.gpgsign=false",
+                               "-c", "safe.directory=*", *args],
+                              cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=60, check=False)
+    except FileNotFoundError:
+        raise ValueError("repository tasks need git (apt install git)") from None
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"git {args[0]} timed out") from None
+
+
+def git_init_base(workspace: Path) -> str:
+    """Make `workspace` a git repository whose only commit holds its current files (the base); returns the
+    commit id (deterministic: fixed identity and dates). No remote, no other ref, no reflog beyond it."""
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"],
+                 ["commit", "-q", "--no-verify", "-m", BASE_COMMIT_MESSAGE]):
+        proc = _git(args, workspace)
+        if proc.returncode:
+            raise RuntimeError(f"git {args[0]} in the workspace failed: {proc.stderr.strip()[-300:]}")
+    return _git(["rev-parse", "HEAD"], workspace).stdout.strip()
+
+
+def apply_patch(files: dict[str, str], patch: str) -> dict[str, str]:
+    """The files after `git apply` of a unified diff (git's format or `diff -u` with a/ b/ prefixes) onto
+    `files`, in a scratch folder on the host. git refuses paths that leave the folder or go through a symlink;
+    symlinks a patch creates are not followed back (as `collect_files`). ValueError if it does not apply."""
+    with tempfile.TemporaryDirectory(prefix="patch-") as tmp:
+        root = Path(tmp)
+        for path, content in files.items():
+            target = root / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content)
+        if not patch.endswith("\n"):
+            patch += "\n"
+        proc = _git(["apply", "--whitespace=nowarn", "-"], root, stdin=patch)
+        if proc.returncode:
+            raise ValueError(f"the patch does not apply: {proc.stderr.strip()[-400:]}")
+        return collect_files(root)
+
+
+def setup_workspace(workspace: Path, files: list[TaskFile], owner_uid: int | None = None,
+                    git_base: bool | None = None) -> None:
+    """Write task files into a new, empty workspace (host side, before any agent code has run). With
+    `git_base` (by default: when the files are a repository task's, `RepoFile`), the workspace then becomes a
+    git repository with exactly one commit holding them."""
     for f in files:
         target = workspace / f.path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(f.content)
+    if git_base is None:
+        git_base = any(isinstance(f, RepoFile) for f in files)
+    if git_base:
+        git_init_base(workspace)
     if owner_uid is not None:
         for dirpath, dirnames, filenames in os.walk(workspace):
             for name in dirnames + filenames:
@@ -87,24 +151,21 @@ def parse_junit(xml_text: str) -> dict[str, str]:
     return outcomes
 
 
-def grade(task: Task, workspace: Path | dict[str, str], backend: str = "bwrap", reward: str = "pass_fraction",
-          timeout: float = 60.0, **limits) -> GradeResult:
-    """Grade the agent's work. `workspace`: the agent's workspace folder, or its files as {path: text}. With the
-    docker backend the sandbox runs the task's own image when its metadata names one (`docker_image`)."""
-    files = collect_files(workspace) if isinstance(workspace, Path) else dict(workspace)
-    official = {f.path for f in task.visible_tests + task.hidden_tests}
-    expected = expected_tests(task.hidden_tests)
-    if not expected:
-        raise ValueError(f"task {task.id}: hidden tests define no test functions")
-    agent_files = [TaskFile(p, c) for p, c in files.items() if os.path.normpath(p) not in official]
+def _base_id(test_id: str) -> str:
+    path, sep, rest = test_id.partition("::")
+    return path + sep + rest.split("[", 1)[0]
+
+
+def _run_tests(task: Task, files: list[TaskFile], test_paths: list[str], backend: str, timeout: float,
+               limits: dict):
+    """Run pytest on `test_paths` over `files` in a fresh sandbox; ({test id: outcome}, ExecResult)."""
     options = {**limits, **task_sandbox_options(task, backend)}
     with make_sandbox(backend, **options) as box, tempfile.TemporaryDirectory(prefix="grade-") as report_dir:
-        setup_workspace(box.workspace, agent_files + task.visible_tests + task.hidden_tests,
-                        owner_uid=getattr(box, "uid", None))
+        setup_workspace(box.workspace, files, owner_uid=getattr(box, "uid", None), git_base=False)
         box.bind(Path(report_dir), "/grader", writable=True)
         result = box.exec(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header",
-                           "--junitxml=/grader/report.xml", "-o", "junit_family=xunit1",
-                           *[f.path for f in task.hidden_tests]], timeout=timeout)
+                           "--junitxml=/grader/report.xml", "-o", "junit_family=xunit1", *test_paths],
+                          timeout=timeout)
         if "No module named pytest" in result.stdout + result.stderr:
             raise RuntimeError("grading needs pytest in the sandbox's Python (pip install pytest): "
                                + (result.stdout + result.stderr).strip()[-300:])
@@ -113,16 +174,78 @@ def grade(task: Task, workspace: Path | dict[str, str], backend: str = "bwrap", 
             outcomes = parse_junit(report.read_text()) if report.exists() else {}
         except ET.ParseError:
             outcomes = {}
+    return outcomes, result
+
+
+def _reward(passed: int, total: int, reward: str) -> float:
+    if reward == "binary":
+        return 1.0 if passed == total else 0.0
+    if reward == "pass_fraction":
+        return passed / total
+    raise ValueError(f"unknown reward {reward!r}; use 'pass_fraction' or 'binary'")
+
+
+def grade(task: Task, workspace: Path | dict[str, str] | str, backend: str = "bwrap", reward: str = "pass_fraction",
+          timeout: float = 60.0, **limits) -> GradeResult:
+    """Grade the agent's work. `workspace`: the agent's workspace folder, or its files as {path: text}, or (repo
+    tasks) a unified diff against the base snapshot. With the docker backend the sandbox runs the task's own
+    image when its metadata names one (`docker_image`)."""
+    if task.is_repo:
+        return _grade_repo(task, workspace, backend, reward, timeout, limits)
+    if isinstance(workspace, str):
+        raise TypeError("a diff is graded for repository tasks only; give a function task its files")
+    files = collect_files(workspace) if isinstance(workspace, Path) else dict(workspace)
+    official = {f.path for f in task.visible_tests + task.hidden_tests}
+    expected = expected_tests(task.hidden_tests)
+    if not expected:
+        raise ValueError(f"task {task.id}: hidden tests define no test functions")
+    _reward(0, 1, reward)  # an unknown reward fails before the sandbox starts
+    agent_files = [TaskFile(p, c) for p, c in files.items() if os.path.normpath(p) not in official]
+    outcomes, result = _run_tests(task, agent_files + task.visible_tests + task.hidden_tests,
+                                  [f.path for f in task.hidden_tests], backend, timeout, limits)
     passed = sum(1 for t in expected if outcomes.get(t) == "passed")
     failed = len(expected) - passed
-    if reward == "binary":
-        value = 1.0 if failed == 0 else 0.0
-    elif reward == "pass_fraction":
-        value = passed / len(expected)
-    else:
-        raise ValueError(f"unknown reward {reward!r}; use 'pass_fraction' or 'binary'")
-    return GradeResult(value, passed, failed, {
+    return GradeResult(_reward(passed, len(expected), reward), passed, failed, {
         "outcomes": {t: outcomes.get(t, "missing") for t in expected},
+        "exit_code": result.exit_code, "timed_out": result.timed_out, "duration": result.duration,
+        "log_tail": (result.stdout + result.stderr)[-2000:],
+    })
+
+
+def repo_base_files(task: Task) -> dict[str, str]:
+    """A repository task's base commit: the snapshot and its visible tests."""
+    return {f.path: f.content for f in task.files + task.visible_tests}
+
+
+def _grade_repo(task: Task, workspace, backend: str, reward: str, timeout: float, limits: dict) -> GradeResult:
+    base = repo_base_files(task)
+    if isinstance(workspace, str):  # the agent's diff, applied by git to a copy of the base
+        files = apply_patch(base, workspace) if workspace.strip() else dict(base)
+    else:
+        files = collect_files(workspace) if isinstance(workspace, Path) else dict(workspace)
+    files = {os.path.normpath(p): c for p, c in files.items()}
+    official = {f.path: f for f in task.visible_tests + task.hidden_tests}
+    # The snapshot's pytest configuration is the grader's too: an agent's conftest.py / pytest.ini is dropped.
+    config = {p: TaskFile(p, c) for p, c in base.items() if os.path.basename(p) in _PYTEST_CONFIG}
+    ignored = sorted(p for p in files if p in official or os.path.basename(p) in _PYTEST_CONFIG)
+    changed = sorted(p for p in set(files) | set(base) if files.get(p) != base.get(p) and p not in official)
+    agent_files = [TaskFile(p, c) for p, c in files.items() if p not in official and p not in config
+                   and os.path.basename(p) not in _PYTEST_CONFIG]
+    expected = [*task.fail_to_pass, *task.pass_to_pass]
+    _reward(0, 1, reward)
+    test_paths = sorted({t.partition("::")[0] for t in expected})
+    outcomes, result = _run_tests(task, agent_files + list(config.values()) + list(official.values()), test_paths,
+                                  backend, timeout, limits)
+    got = {t: outcomes.get(_base_id(t), "missing") for t in expected}
+    passed = sum(1 for t in expected if got[t] == "passed")
+    f2p = sum(1 for t in task.fail_to_pass if got[t] == "passed")
+    p2p = sum(1 for t in task.pass_to_pass if got[t] == "passed")
+    return GradeResult(_reward(passed, len(expected), reward), passed, len(expected) - passed, {
+        "outcomes": got,
+        "fail_to_pass": {"passed": f2p, "total": len(task.fail_to_pass)},
+        "pass_to_pass": {"passed": p2p, "total": len(task.pass_to_pass)},
+        "resolved": passed == len(expected), "changed_files": changed,
+        "ignored_files": [p for p in ignored if files.get(p) != base.get(p)],
         "exit_code": result.exit_code, "timed_out": result.timed_out, "duration": result.duration,
         "log_tail": (result.stdout + result.stderr)[-2000:],
     })

@@ -1,7 +1,39 @@
 """Task datasets: JSONL / JSON / parquet files or a hub dataset, loaded through `datasets`.
 
 A record that is not a valid task is reported with its index and the reason, and skipped: one bad row never
-stops a run. `SHIPPED_TASKS` is the framework's own set (environments/data/coding_tasks.jsonl).
+stops a run. `SHIPPED_TASKS` is the framework's own set (environments/data/coding_tasks.jsonl): function tasks
+and repository tasks, one file.
+
+Function tasks (`kind` absent or "function"): `id`, `statement`, `files` (the agent's start), `visible_tests`,
+`hidden_tests` (applied only at grading; every test they define counts), `reference_solution` (files),
+`entry_file`, `domain`, `difficulty`, `split`. HumanEval rows are read as function tasks.
+
+Repository tasks, SWE-bench style (`"kind": "repo"`, or a record with a non-null `FAIL_TO_PASS`):
+
+    id                 str
+    kind               "repo"
+    problem_statement  str: the issue the agent gets (`statement` is accepted too)
+    files              [{path, content}]: the repository snapshot at its base commit, without its tests
+                       (a multi-file package: pkg/__init__.py, pkg/core.py, …)
+    visible_tests      [{path, content}]: the snapshot's own test files (tests/test_*.py)
+    hidden_tests       [{path, content}]: test files applied only at grading; one may replace a visible file
+    test_patch         optional unified diff over the snapshot whose result is applied at grading, as hidden
+                       test files (SWE-bench's test_patch)
+    FAIL_TO_PASS       ["tests/test_x.py::test_name", …]: fail at the base commit, must pass; non-empty
+    PASS_TO_PASS       ["tests/test_x.py::TestClass::test_name", …]: pass at the base commit, must still pass
+                       (both may also be JSON-encoded strings, as SWE-bench's dataset stores them)
+    patch              the reference solution as a unified diff over the snapshot (applied with `git apply`
+                       when the task loads); or `reference_solution` as files
+    entry_file         optional: the main file named to the agent (default: the first of `files`)
+    domain, difficulty, split   as for function tasks (domain defaults to "repo")
+    repo, base_commit  optional, informational (metadata); `repo` is the package under test for the guard
+
+Every test id must name a test function (or Class::method; a `[param]` suffix is folded into its base) defined
+in the official version of a visible or hidden test file. The episode's workspace is the snapshot and the
+visible tests committed as the only commit of a fresh git repository (no history before or after the base).
+Grading (`environments.grading.grade`) applies the agent's changes to a fresh copy of the base, writes the
+official test files over them, runs the test files that FAIL_TO_PASS and PASS_TO_PASS name, and parses the
+report outside the sandbox: the reward is over those tests only, and a missing or uncollected one fails.
 """
 
 from __future__ import annotations
@@ -15,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from environments.types import Task, TaskFile
+from environments.types import RepoFile, Task, TaskFile
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +114,118 @@ def humaneval_record(record: dict) -> dict:
     return out
 
 
+REPO_KEYS = {"id", "kind", "problem_statement", "statement", "files", "visible_tests", "hidden_tests", "test_patch",
+             "FAIL_TO_PASS", "PASS_TO_PASS", "patch", "reference_solution", "entry_file", "domain", "difficulty",
+             "split"}
+
+
+def _test_ids(record: dict, key: str) -> list[str]:
+    value = record.get(key)
+    if value is None:
+        return []
+    if isinstance(value, str):  # SWE-bench's dataset stores the lists JSON-encoded
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"{key!r} is neither a list nor a JSON-encoded list") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ValueError(f"{key!r} must be a list of test ids like 'tests/test_x.py::test_name'")
+    return [v.strip() for v in value]
+
+
+def base_test_id(test_id: str) -> str:
+    """'tests/t.py::test_a[1]' → 'tests/t.py::test_a' (parametrised cases count as their base test)."""
+    path, sep, rest = test_id.partition("::")
+    return path + sep + rest.split("[", 1)[0]
+
+
+def repo_task_from_record(record: dict) -> Task:
+    """A repository task (see the module docstring); ValueError says what is wrong with a bad record."""
+    from environments.grading import apply_patch, expected_tests  # git apply, test ids of a test file
+
+    statement = record.get("problem_statement", record.get("statement"))
+    if not isinstance(record.get("id"), str) or not record["id"].strip():
+        raise ValueError("missing or empty 'id'")
+    if not isinstance(statement, str) or not statement.strip():
+        raise ValueError("missing or empty 'problem_statement'")
+    files = {key: _files(record, key) for key in _FILE_LISTS}
+    if not files["files"]:
+        raise ValueError("repo task: 'files' (the repository snapshot) is empty")
+    if record.get("FAIL_TO_PASS") is None:
+        raise ValueError("repo task: missing 'FAIL_TO_PASS'")
+    fail_to_pass, pass_to_pass = _test_ids(record, "FAIL_TO_PASS"), _test_ids(record, "PASS_TO_PASS")
+    if not fail_to_pass:
+        raise ValueError("repo task: 'FAIL_TO_PASS' is empty: nothing to fix")
+    both = [base_test_id(t) for t in fail_to_pass + pass_to_pass]
+    if len(set(both)) != len(both):
+        raise ValueError("repo task: a test id is listed twice (in FAIL_TO_PASS / PASS_TO_PASS)")
+    snapshot = {f.path: f.content for f in files["files"]}
+    for key in ("visible_tests", "hidden_tests"):
+        clash = sorted({f.path for f in files[key]} & set(snapshot))
+        if clash:
+            raise ValueError(f"repo task: {clash[0]!r} is both a snapshot file and in {key!r}")
+    base = {**snapshot, **{f.path: f.content for f in files["visible_tests"]}}
+    hidden = {f.path: f.content for f in files["hidden_tests"]}
+    test_patch = record.get("test_patch")
+    if test_patch:
+        if not isinstance(test_patch, str):
+            raise ValueError("'test_patch' must be a unified diff (a string)")
+        patched = apply_patch(base, test_patch)
+        hidden.update({p: c for p, c in patched.items() if base.get(p) != c})
+    official = {**{f.path: f.content for f in files["visible_tests"]}, **hidden}
+    defined = set()
+    for path, content in official.items():
+        if path.endswith(".py"):
+            try:
+                defined.update(expected_tests([TaskFile(path, content)]))
+            except SyntaxError as exc:
+                raise ValueError(f"repo task: test file {path!r} does not parse: {exc.msg} (line {exc.lineno})")
+    for test_id in fail_to_pass + pass_to_pass:
+        path = test_id.partition("::")[0]
+        if "::" not in test_id or not path:
+            raise ValueError(f"repo task: test id {test_id!r} is not 'path::name'")
+        if path not in official:
+            raise ValueError(f"repo task: test id {test_id!r}: {path!r} is not among the test files")
+        if base_test_id(test_id) not in defined:
+            raise ValueError(f"repo task: test id {test_id!r} is not defined in {path!r}")
+    reference = files["reference_solution"]
+    patch = record.get("patch")
+    if patch:
+        if not isinstance(patch, str):
+            raise ValueError("'patch' must be a unified diff (a string)")
+        solved = apply_patch(base, patch)
+        if set(base) - set(solved):
+            raise ValueError(f"repo task: the reference patch deletes {sorted(set(base) - set(solved))}")
+        reference = [TaskFile(p, c) for p, c in sorted(solved.items()) if base.get(p) != c]
+    if any(f.path in official for f in reference):
+        raise ValueError("repo task: the reference solution edits an official test file")
+    if record.get("difficulty") is not None and not isinstance(record["difficulty"], int):
+        raise ValueError(f"'difficulty' must be an integer, got {record['difficulty']!r}")
+    entry = _check_path(record.get("entry_file") or files["files"][0].path)
+    metadata = {k: v for k, v in record.items() if k not in REPO_KEYS}
+    top = sorted({f.path.split("/")[0] for f in files["files"] if "/" in f.path and f.path.endswith(".py")})
+    if "package_name" not in metadata and (record.get("repo") or top):
+        metadata["package_name"] = str(record.get("repo") or top[0])
+    if patch:
+        metadata["patch"] = patch
+    return Task(
+        id=record["id"], statement=statement, files=[RepoFile(f.path, f.content) for f in files["files"]],
+        visible_tests=[RepoFile(f.path, f.content) for f in files["visible_tests"]],
+        hidden_tests=[TaskFile(p, c) for p, c in sorted(hidden.items())], entry_file=entry,
+        domain=str(record.get("domain") or "repo"), difficulty=int(record.get("difficulty") or 1),
+        split=str(record.get("split") or "train"), reference_solution=reference, metadata=metadata,
+        kind="repo", fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass,
+    )
+
+
 def task_from_record(record: dict) -> Task:
     if not isinstance(record, dict):
         raise ValueError("record is not an object")
+    kind = record.get("kind")
+    if kind == "repo" or (kind is None and record.get("FAIL_TO_PASS") is not None):
+        return repo_task_from_record(record)
+    if kind not in (None, "function"):
+        raise ValueError(f"unknown kind {kind!r}; use 'function' or 'repo'")
     if "statement" not in record and "entry_point" in record:
         record = humaneval_record(record)
     for key in ("id", "statement"):
@@ -96,7 +237,7 @@ def task_from_record(record: dict) -> Task:
     image = record.get("docker_image")  # the task's own sandbox image (docker backend); kept in metadata
     if image is not None and (not isinstance(image, str) or not image.strip()):
         raise ValueError(f"'docker_image' must be a non-empty image name, got {image!r}")
-    known = {"id", "statement", "entry_file", "domain", "difficulty", "split", *_FILE_LISTS}
+    known = {"id", "kind", "statement", "entry_file", "domain", "difficulty", "split", *_FILE_LISTS}
     return Task(
         id=record["id"], statement=record["statement"], files=files["files"],
         visible_tests=files["visible_tests"], hidden_tests=files["hidden_tests"],

@@ -34,6 +34,12 @@ class TaskFile:
 
 
 @dataclass
+class RepoFile(TaskFile):
+    """A file of a repository task's snapshot. A workspace set up from files that include one becomes a git
+    repository with exactly one commit, the base (`setup_workspace`), so the agent can `git diff` its work."""
+
+
+@dataclass
 class Task:
     """A coding task. Hidden tests never enter the agent's sandbox; they are applied only at grading."""
 
@@ -48,6 +54,15 @@ class Task:
     split: str = "train"
     reference_solution: list[TaskFile] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # "function": every test of the hidden test files counts. "repo" (SWE-bench style): the tests named in
+    # FAIL_TO_PASS and PASS_TO_PASS count, the workspace is a git repository at its base commit.
+    kind: str = "function"
+    fail_to_pass: list[str] = field(default_factory=list)
+    pass_to_pass: list[str] = field(default_factory=list)
+
+    @property
+    def is_repo(self) -> bool:
+        return self.kind == "repo"
 
     @property
     def test_paths(self) -> list[str]:

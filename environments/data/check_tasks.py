@@ -3,9 +3,9 @@
 
 Usage (from the repository root):
 
-    /work/venv/bin/python environments/data/check_tasks.py [TASKS.jsonl] [--only ID ...] [--no-run]
+    python environments/data/check_tasks.py [TASKS.jsonl] [--only ID ...] [--no-run]
 
-For every task line this script
+For every function task line (no `kind`) this script
 
 1. validates the schema and the dataset rules (keys, types, unique ids,
    counts per split/domain/difficulty, safe relative paths, files ending with
@@ -19,8 +19,18 @@ For every task line this script
    hidden tests cannot depend on the visible ones) and that no test phase
    takes 0.1 s or more.
 
+For every repository task line (`"kind": "repo"`, see environments/tasks.py) it
+
+1. validates the schema: a multi-file package snapshot (at least two modules besides `__init__.py`), test
+   files under tests/, FAIL_TO_PASS (non-empty) and PASS_TO_PASS ids that name tests defined in the official
+   test files, standard-library-only imports, a reference `patch`;
+2. runs the test files at the base commit (snapshot + visible + hidden tests): every FAIL_TO_PASS test must
+   fail (so the unsolved repo cannot get full reward) and every PASS_TO_PASS test must pass;
+3. applies the reference `patch` with `git apply` and runs them again: every listed test, and every test of
+   the visible files, must pass (full reward), none taking 0.1 s or more.
+
 It prints one line per task and exits non-zero on any problem.
-Only python3 (stdlib) and pytest are needed. Tasks are checked sequentially.
+Only python3 (stdlib), pytest and git are needed. Tasks are checked sequentially.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path, PurePosixPath
 
 DEFAULT_TASKS = Path(__file__).resolve().parent / "coding_tasks.jsonl"
@@ -47,11 +58,20 @@ DOMAINS = ("function", "bugfix")
 SPLITS = ("train", "heldout")
 DIFFICULTIES = (1, 2, 3)
 
-# Dataset composition rules.
-EXPECTED_TOTAL = 48
-EXPECTED_DOMAIN = {"function": 32, "bugfix": 16}
-EXPECTED_SPLIT = {"train": 36, "heldout": 12}
-TARGET_DIFFICULTY = {1: 16, 2: 20, 3: 12}  # "roughly": allowed deviation below
+REPO_REQUIRED_KEYS = {
+    "id", "kind", "domain", "difficulty", "split", "repo", "problem_statement", "entry_file", "files",
+    "visible_tests", "hidden_tests", "FAIL_TO_PASS", "PASS_TO_PASS", "patch",
+}
+REPO_SPLITS = ("repo_train", "repo_heldout")
+REPO_MIN_MODULES = 2  # source modules besides __init__.py: repository tasks are multi-file
+REPO_HIDDEN_TESTS_MIN = 3
+
+# Dataset composition rules. The heldout split is the default run's eval split: it stays these 12 tasks.
+EXPECTED_TOTAL = 101
+EXPECTED_DOMAIN = {"function": 50, "bugfix": 28, "repo": 23}
+EXPECTED_SPLIT = {"train": 66, "heldout": 12, "repo_train": 17, "repo_heldout": 6}
+MIN_REPO_TASKS = 20
+TARGET_DIFFICULTY = {1: 26, 2: 33, 3: 19}  # function and bugfix tasks, "roughly": allowed deviation below
 DIFFICULTY_TOLERANCE = 2
 EXPECTED_HELDOUT_DIFFICULTY = {1: 4, 2: 4, 3: 4}
 MIN_HELDOUT_DIFFICULTY_1 = 4
@@ -281,8 +301,10 @@ def validate_dataset(tasks, problems):
     counts = {
         "split": collections.Counter(t["split"] for t in tasks),
         "domain": collections.Counter(t["domain"] for t in tasks),
-        "difficulty": collections.Counter(t["difficulty"] for t in tasks),
+        "difficulty": collections.Counter(t["difficulty"] for t in tasks if t.get("kind") != "repo"),
     }
+    if counts["domain"]["repo"] < MIN_REPO_TASKS:
+        problems.append(f"dataset: {counts['domain']['repo']} repository tasks, need at least {MIN_REPO_TASKS}")
     held = [t for t in tasks if t["split"] == "heldout"]
     held_diff = collections.Counter(t["difficulty"] for t in held)
     held_dom = collections.Counter(t["domain"] for t in held)
@@ -298,7 +320,8 @@ def validate_dataset(tasks, problems):
             problems.append(f"dataset: {counts['split'][split]} {split} tasks, expected {n}")
     for d, n in TARGET_DIFFICULTY.items():
         if abs(counts["difficulty"][d] - n) > DIFFICULTY_TOLERANCE:
-            problems.append(f"dataset: {counts['difficulty'][d]} difficulty-{d} tasks, expected about {n}")
+            problems.append(f"dataset: {counts['difficulty'][d]} difficulty-{d} function/bugfix tasks, "
+                            f"expected about {n}")
     for d, n in EXPECTED_HELDOUT_DIFFICULTY.items():
         if held_diff[d] != n:
             problems.append(f"dataset: {held_diff[d]} heldout difficulty-{d} tasks, expected {n}")
@@ -332,6 +355,7 @@ def _clean_env():
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PYTEST_")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["PYTHONHASHSEED"] = "0"
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # third-party plugins of this environment are not the tasks'
     return env
 
 
@@ -398,6 +422,192 @@ def verify_task(task, info, errors):
 
 
 # ---------------------------------------------------------------------------
+# repository tasks
+# ---------------------------------------------------------------------------
+
+def _test_ids_in(path, content):
+    """'path::name' / 'path::Class::name' of the tests a test file defines."""
+    ids = []
+    for node in ast.parse(content).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            ids.append(f"{path}::{node.name}")
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            ids.extend(f"{path}::{node.name}::{sub.name}" for sub in node.body
+                       if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and sub.name.startswith("test"))
+    return ids
+
+
+def _check_imports(kind, path, content, local_modules, errors):
+    try:
+        tree = ast.parse(content, filename=path)
+    except SyntaxError as exc:
+        errors.append(f"{kind} {path}: syntax error: {exc}")
+        return None
+    for mod, _names in _imports(tree):
+        if mod in local_modules or mod == "":
+            continue
+        if mod == "pytest":
+            if kind not in ("visible", "hidden"):
+                errors.append(f"{kind} {path}: only tests may import pytest")
+            continue
+        if mod in FORBIDDEN_MODULES:
+            errors.append(f"{kind} {path}: forbidden import {mod!r}")
+        elif STDLIB is not None and mod not in STDLIB:
+            errors.append(f"{kind} {path}: non-stdlib import {mod!r}")
+        if mod == "random" and "seed" not in content:
+            errors.append(f"{kind} {path}: uses random without a fixed seed")
+    if re.search(r"\b(time|asyncio)\.sleep\(", content):  # an injected `sleep` callable is fine
+        errors.append(f"{kind} {path}: must not sleep")
+    return tree
+
+
+def validate_repo_task(task, errors):
+    """Static checks of one repository task; returns parsed info (or None)."""
+    keys = set(task)
+    if keys != REPO_REQUIRED_KEYS:
+        errors.append(f"keys mismatch (missing={sorted(REPO_REQUIRED_KEYS - keys)}, "
+                      f"extra={sorted(keys - REPO_REQUIRED_KEYS)})")
+        return None
+    tid = task["id"]
+    if not isinstance(tid, str) or not ID_RE.match(tid):
+        errors.append(f"id {tid!r} is not snake_case")
+    if task["domain"] != "repo":
+        errors.append(f"repository tasks have domain 'repo', not {task['domain']!r}")
+    if type(task["difficulty"]) is not int or task["difficulty"] not in DIFFICULTIES:
+        errors.append(f"difficulty {task['difficulty']!r} not in {DIFFICULTIES}")
+    if task["split"] not in REPO_SPLITS:
+        errors.append(f"split {task['split']!r} not in {REPO_SPLITS} (the heldout split is not for repo tasks)")
+    statement = task["problem_statement"]
+    if not isinstance(statement, str) or len(statement.strip()) < 80:
+        errors.append("problem_statement must be a non-trivial string")
+    files = _check_file_list(task, "files", errors, min_len=2)
+    visible = _check_file_list(task, "visible_tests", errors)
+    hidden = _check_file_list(task, "hidden_tests", errors)
+    if not isinstance(task["patch"], str) or "+++ b/" not in task["patch"]:
+        errors.append("patch must be a unified diff (--- a/... +++ b/...)")
+    f2p, p2p = task["FAIL_TO_PASS"], task["PASS_TO_PASS"]
+    for key, ids in (("FAIL_TO_PASS", f2p), ("PASS_TO_PASS", p2p)):
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            errors.append(f"{key} must be a list of test ids")
+    if not f2p:
+        errors.append("FAIL_TO_PASS is empty")
+    # FORBIDDEN_FILENAMES bans __init__.py for function tasks; a package snapshot needs it.
+    errors[:] = [e for e in errors if not re.search(r"^files\[\d+\]: forbidden file '[^']*__init__\.py'$", e)]
+    if errors:
+        return None
+    src_paths = [p for p, _ in files]
+    repo = task["repo"]
+    modules = [p for p in src_paths if p.endswith(".py") and PurePosixPath(p).name != "__init__.py"]
+    if len(modules) < REPO_MIN_MODULES:
+        errors.append(f"only {len(modules)} module(s) besides __init__.py: repository tasks are multi-file")
+    if f"{repo}/__init__.py" not in src_paths or any(not p.startswith(repo + "/") for p in src_paths):
+        errors.append(f"every snapshot file must live in the package {repo!r} (with {repo}/__init__.py)")
+    if STDLIB and repo in STDLIB or repo in ("pytest", "_pytest", "tests", "test"):
+        errors.append(f"package name {repo!r} shadows a standard-library or reserved module")
+    if task["entry_file"] not in src_paths:
+        errors.append(f"entry_file {task['entry_file']!r} is not a snapshot file")
+    test_files = dict(visible)
+    test_files.update(hidden)  # a hidden file may replace a visible one at grading
+    for p in test_files:
+        name = PurePosixPath(p).name
+        if not (p.startswith("tests/") and name.startswith("test_") and name.endswith(".py")):
+            errors.append(f"test path {p!r} must look like tests/test_*.py")
+    defined, n_tests = set(), {"visible": 0, "hidden": 0}
+    for kind, entries in (("files", files), ("visible", visible), ("hidden", hidden)):
+        for path, content in entries:
+            tree = _check_imports(kind, path, content, {repo}, errors)
+            if tree is not None and kind != "files":
+                n_tests[kind] += _count_tests(tree)
+    for path, content in test_files.items():
+        defined.update(_test_ids_in(path, content))
+    if n_tests["visible"] < 1:
+        errors.append("no visible tests")
+    if n_tests["hidden"] < REPO_HIDDEN_TESTS_MIN:
+        errors.append(f"{n_tests['hidden']} hidden tests (need at least {REPO_HIDDEN_TESTS_MIN})")
+    if len(set(f2p) | set(p2p)) != len(f2p) + len(p2p):
+        errors.append("a test id is listed twice")
+    for test_id in f2p + p2p:
+        if test_id.split("[", 1)[0] not in defined:
+            errors.append(f"test id {test_id!r} is not defined in the official test files")
+    return {"files": files, "visible": visible, "hidden": hidden, "f2p": f2p, "p2p": p2p}
+
+
+def _junit_outcomes(xml_text):
+    """{test id: 'passed' | 'failed' | 'skipped'} from a pytest JUnit report (xunit1), parametrised cases
+    folded into their base test."""
+    outcomes = {}
+    for case in ET.fromstring(xml_text).iter("testcase"):
+        parts = case.get("classname", "").split(".")
+        cls = parts[-1] if parts and parts[-1][:1].isupper() else None
+        module = parts[:-1] if cls else parts
+        test_id = "/".join(module) + ".py::" + (f"{cls}::" if cls else "") + case.get("name", "").split("[", 1)[0]
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif case.find("skipped") is not None:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        if outcomes.get(test_id, "passed") == "passed":
+            outcomes[test_id] = outcome
+    return outcomes
+
+
+def run_pytest_junit(cwd: Path, test_files):
+    report = cwd / ".check_report.xml"
+    rc, out, _summary, slow = run_pytest(cwd, [*test_files, f"--junitxml={report}", "-o", "junit_family=xunit1"],
+                                         durations=True)
+    outcomes = _junit_outcomes(report.read_text()) if report.exists() else {}
+    if report.exists():
+        report.unlink()
+    return rc, out, outcomes, slow
+
+
+def git_apply(root: Path, patch: str):
+    env = {**_clean_env(), "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "HOME": str(root),
+           "GIT_CEILING_DIRECTORIES": str(root.parent)}
+    proc = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], input=patch, cwd=root, env=env, check=False,
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    return proc.returncode, proc.stderr
+
+
+def verify_repo_task(task, info, errors):
+    listed = info["f2p"] + info["p2p"]
+    test_paths = sorted({t.split("::", 1)[0] for t in listed})
+    visible_paths = [p for p, _ in info["visible"]]
+    with tempfile.TemporaryDirectory(prefix=f"task_{task['id']}_") as tmp:
+        root = Path(tmp)
+        _write(root, info["files"])
+        _write(root, info["visible"])
+        _write(root, info["hidden"])
+
+        # (a) the base commit: every FAIL_TO_PASS fails, every PASS_TO_PASS passes.
+        rc, out, outcomes, _ = run_pytest_junit(root, test_paths)
+        passing_f2p = [t for t in info["f2p"] if outcomes.get(t.split("[", 1)[0]) == "passed"]
+        failing_p2p = [t for t in info["p2p"] if outcomes.get(t.split("[", 1)[0]) != "passed"]
+        if passing_f2p:
+            errors.append(f"FAIL_TO_PASS tests pass at the base commit: {passing_f2p}")
+        if failing_p2p:
+            errors.append(f"PASS_TO_PASS tests fail at the base commit: {failing_p2p}\n{_tail(out)}")
+        start_passed = sum(outcomes.get(t.split("[", 1)[0]) == "passed" for t in listed)
+
+        # (b) the reference patch, applied by git: every listed test and every visible test passes.
+        rc, err = git_apply(root, task["patch"])
+        if rc:
+            errors.append(f"the reference patch does not apply: {err.strip()[-300:]}")
+            return "patch failed"
+        rc, out, outcomes, slow = run_pytest_junit(root, sorted(set(test_paths) | set(visible_paths)))
+        failing = [t for t in listed if outcomes.get(t.split("[", 1)[0]) != "passed"]
+        if failing:
+            errors.append(f"listed tests fail with the reference patch: {failing}\n{_tail(out)}")
+        if rc != 0:
+            errors.append(f"tests fail with the reference patch (rc={rc})\n{_tail(out)}")
+        for secs, phase, node in slow:
+            errors.append(f"test too slow: {node} {phase} {secs:.2f}s")
+    return (f"base: {start_passed}/{len(listed)} listed pass (reward {start_passed / len(listed):.2f}); "
+            f"ref: {len(listed) - len(failing)}/{len(listed)}")
+
+
+# ---------------------------------------------------------------------------
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -421,8 +631,10 @@ def main(argv=None):
                 problems.append(f"line {lineno}: invalid JSON: {exc}")
                 continue
             errors = []
-            info = validate_task(task, errors)
-            if not isinstance(task, dict) or set(task) != REQUIRED_KEYS or not isinstance(task["id"], str):
+            is_repo = isinstance(task, dict) and task.get("kind") == "repo"
+            info = validate_repo_task(task, errors) if is_repo else validate_task(task, errors)
+            required = REPO_REQUIRED_KEYS if is_repo else REQUIRED_KEYS
+            if not isinstance(task, dict) or set(task) != required or not isinstance(task["id"], str):
                 problems.extend(f"line {lineno}: {e}" for e in errors or ["malformed task"])
                 continue
             tid = task["id"]
@@ -450,7 +662,8 @@ def main(argv=None):
         status = "static checks only"
         start = time.monotonic()
         if not errors and not args.no_run:
-            status = verify_task(task, infos[tid], errors)
+            verify = verify_repo_task if task.get("kind") == "repo" else verify_task
+            status = verify(task, infos[tid], errors)
         tag = f"[{task['split']:<7} {task['domain']:<8} d{task['difficulty']}]"
         elapsed = time.monotonic() - start
         if errors:
