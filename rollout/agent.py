@@ -54,6 +54,33 @@ class EpisodeRuntime:
         return self.tokenizer.decode(ids, skip_special_tokens=not special)
 
 
+class SandboxStartError(RuntimeError):
+    pass
+
+
+class _LazySandbox:
+    """The episode's sandbox while it may still be starting: `get()` waits for it (once)."""
+
+    def __init__(self, starting: asyncio.Future):
+        self._starting = starting
+
+    async def get(self):
+        try:
+            return await self._starting
+        except Exception as exc:
+            raise SandboxStartError("the sandbox could not start") from exc
+
+    async def close(self) -> None:
+        if not self._starting.done():
+            try:
+                await self._starting
+            except Exception:
+                return
+        if self._starting.cancelled() or self._starting.exception() is not None:
+            return
+        await asyncio.to_thread(self._starting.result().close)
+
+
 def system_prompt(rt: EpisodeRuntime) -> str:
     example = rt.parser.format_call(ToolCall("write_file", {"path": "hello.py", "content": "print('hello')\n"}))
     text = ("You are a coding agent in a sandbox. The task's project is your current directory, /workspace. "
@@ -123,34 +150,43 @@ class AgentEpisode:
         return len(self.ledger) + self.header_len
 
     # ---- the loop -------------------------------------------------------------------------------------
-    async def run(self) -> Trajectory:
-        started = time.perf_counter()
-        try:
-            options = {**self.rt.sandbox_limits, **task_sandbox_options(self.task, self.rt.sandbox_backend)}
-            sandbox = await asyncio.to_thread(make_sandbox, self.rt.sandbox_backend, **options)
-        except Exception as exc:  # no sandbox, no episode: report it, the run goes on
-            self.traj.finish_reason = "error"
-            self.traj.grade_details = {"error": f"sandbox start failed: {exc!r}"}
-            return self.traj
+    async def _start_sandbox(self):
+        """Make the episode's sandbox and its workspace. Started as a task next to the first generation, which
+        needs no sandbox: the episode never waits for start-up it could overlap (Docker's is ~0.5 s)."""
+        options = {**self.rt.sandbox_limits, **task_sandbox_options(self.task, self.rt.sandbox_backend)}
+        sandbox = await asyncio.to_thread(make_sandbox, self.rt.sandbox_backend, **options)
         try:
             await asyncio.to_thread(setup_workspace, sandbox.workspace, self.task.files + self.task.visible_tests,
                                     getattr(sandbox, "uid", None))
+        except BaseException:
+            await asyncio.to_thread(sandbox.close)
+            raise
+        return sandbox
+
+    async def run(self) -> Trajectory:
+        started = time.perf_counter()
+        starting = asyncio.ensure_future(self._start_sandbox())
+        sandbox = _LazySandbox(starting)
+        try:
             self.ledger.append_context(self.rt.encode(self.rt.chat.render(self.history, add_generation_prompt=False)))
             self.traj.finish_reason = await self._loop(sandbox)
             self._close_segment(self.ledger, "final")
             if self.traj.finish_reason != "aborted":
-                files = await asyncio.to_thread(collect_files, sandbox.workspace)
+                files = await asyncio.to_thread(collect_files, (await sandbox.get()).workspace)
                 t0 = time.perf_counter()
                 result = await asyncio.to_thread(grade, self.task, files, self.rt.sandbox_backend, self.rt.reward,
                                                  self.rt.grade_timeout_s, **self.rt.sandbox_limits)
                 self.timings["grade_s"] = time.perf_counter() - t0
                 self.traj.reward, self.traj.passed = result.reward, result.all_passed
                 self.traj.grade_details = {**result.details, **self.traj.grade_details}
+        except SandboxStartError as exc:  # no sandbox, no episode: report it, the run goes on
+            self.traj.finish_reason = "error"
+            self.traj.grade_details = {"error": f"sandbox start failed: {exc.__cause__!r}"}
         except Exception as exc:
             self.traj.finish_reason = "error"
             self.traj.grade_details = {"error": repr(exc)}
         finally:
-            await asyncio.to_thread(sandbox.close)
+            await sandbox.close()
         self.timings["episode_s"] = time.perf_counter() - started
         self.traj.timings = self.timings
         return self.traj
@@ -232,9 +268,10 @@ class AgentEpisode:
             return Observation(dummy.text, dummy.exit_code)
         if verdict.flagged:
             self.traj.guard_events.append(event)
+        box = await sandbox.get()  # a sandbox that could not start ends the episode (SandboxStartError)
         started = time.perf_counter()
         try:
-            obs = await asyncio.to_thread(execute_tool, call, sandbox, self.task, self.cfg.tool_timeout_s,
+            obs = await asyncio.to_thread(execute_tool, call, box, self.task, self.cfg.tool_timeout_s,
                                           self.cfg.observation_max_chars)
         except Exception as exc:  # a crashing sandbox call is an observation, not a lost episode
             obs = Observation(f"Error: the sandbox failed to run this call ({type(exc).__name__}: {exc})", 1)

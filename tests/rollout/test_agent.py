@@ -163,3 +163,49 @@ def test_flagged_call_goes_to_the_judge_and_its_block_is_audited(tokenizer, task
     assert event["action"] == "block" and event["stage"] == "judge" and event["rules"] == ["broad-search"]
     assert event["judge"]["verdict"] == "hack" and traj.num_guard_blocks == 1
     assert "No such file or directory" in text_of(tokenizer, traj.segments[0], 0)
+
+
+def test_the_first_turn_is_generated_while_the_sandbox_starts(tokenizer, task_by_id, monkeypatch):
+    """Sandbox start-up runs next to the first generation; a sandbox that cannot start ends the episode as an
+    error with its reason (after the turn that was already generated), and the run goes on."""
+    import threading
+    import time
+
+    import rollout.agent as agent_module
+
+    generated_before_ready = threading.Event()
+    real_make = agent_module.make_sandbox
+
+    def slow_make(backend, **options):
+        time.sleep(0.5)
+        return real_make(backend, **options)
+
+    class Recording(ScriptedEngine):
+        async def generate(self, input_ids, sampling, request_id=None, session_id=None):
+            generated_before_ready.set()
+            return await super().generate(input_ids, sampling, request_id, session_id)
+
+    monkeypatch.setattr(agent_module, "make_sandbox", slow_make)
+    cfg = AgentConfig(context_window=4096, max_turns=4, max_new_tokens=200, max_episode_tokens=4000)
+    engine = Recording(tokenizer, [call("write_file", path="solution.py", content=SOLUTION), call("submit")])
+    rt = EpisodeRuntime(engine, tokenizer, make_chat_format("chatml"), make_tool_parser("json", TOOL_SPECS),
+                        Guard(), cfg)
+    started = time.perf_counter()
+
+    async def go():
+        task = asyncio.ensure_future(AgentEpisode(rt, task_by_id["add_two_numbers"], SamplingParams(), "r").run())
+        await asyncio.sleep(0.2)
+        first_turn_early = generated_before_ready.is_set()  # the sandbox is still sleeping in make_sandbox
+        return await task, first_turn_early
+
+    traj, early = asyncio.run(go())
+    assert early and traj.finish_reason == "submitted" and traj.reward == 1.0
+    assert time.perf_counter() - started >= 0.5
+
+    def failing_make(backend, **options):
+        raise OSError("no bubblewrap here")
+
+    monkeypatch.setattr(agent_module, "make_sandbox", failing_make)
+    traj, engine = episode(tokenizer, task_by_id["add_two_numbers"], [call("bash", command="ls"), call("submit")])
+    assert traj.finish_reason == "error" and "sandbox start failed" in traj.grade_details["error"]
+    assert "no bubblewrap here" in traj.grade_details["error"] and len(engine.prompts) == 1
