@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -35,7 +36,16 @@ def test_heldout_reference_solutions_grade_full_and_starts_do_not(shipped_tasks)
         _check_reference_and_start(task)
 
 
-@pytest.mark.slow  # every shipped task, two sandboxed gradings each: ~2-3 minutes
+@pytest.mark.slow  # the 23 repository tasks, two sandboxed gradings each: ~30 s
+def test_every_repository_task_grades_full_solved_and_not_unsolved(shipped_tasks):
+    for task in [t for t in shipped_tasks.tasks if t.is_repo]:
+        _check_reference_and_start(task)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("RL_CHECK_ALL_TASKS"),
+                    reason="the sweep of all 101 tasks (~2 min) runs with RL_CHECK_ALL_TASKS=1, and in "
+                           "`python environments/data/check_tasks.py`; CI checks the held-out and repository tasks")
 def test_every_reference_solution_grades_full_and_every_start_does_not(shipped_tasks):
     for task in shipped_tasks.tasks:
         _check_reference_and_start(task)
