@@ -67,23 +67,30 @@ class _Word:
         self.value, self.raw, self.subs, self.quoted = value, raw, subs, quoted
 
 
+_QUOTING = "\\'\""  # the characters _skip_quoting steps over
+
+
+def _skip_quoting(s: str, i: int, c: str) -> int:
+    """Index just after the quoting that starts at `i` with `c` (one of _QUOTING): a backslash escape, a
+    single-quoted string, or a double-quoted string."""
+    if c == "\\":
+        return i + 2
+    if c == "'":
+        j = s.find("'", i + 1)
+        if j < 0:
+            raise Unreadable("unbalanced quote")
+        return j + 1
+    return _skip_dq(s, i + 1)
+
+
 def _match_paren(s: str, i: int) -> int:
     """Index of the `)` that closes a `(` just before `i` (quotes, escapes, nested parentheses and backticks
     skipped)."""
     depth, n = 1, len(s)
     while i < n:
         c = s[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "'":
-            j = s.find("'", i + 1)
-            if j < 0:
-                raise Unreadable("unbalanced quote")
-            i = j + 1
-            continue
-        if c == '"':
-            i = _skip_dq(s, i + 1)
+        if c in _QUOTING:
+            i = _skip_quoting(s, i, c)
             continue
         if c == "`":
             i = _match_backtick(s, i + 1) + 1
@@ -103,17 +110,8 @@ def _match_brace(s: str, i: int) -> int:
     depth, n = 1, len(s)
     while i < n:
         c = s[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "'":
-            j = s.find("'", i + 1)
-            if j < 0:
-                raise Unreadable("unbalanced quote")
-            i = j + 1
-            continue
-        if c == '"':
-            i = _skip_dq(s, i + 1)
+        if c in _QUOTING:
+            i = _skip_quoting(s, i, c)
             continue
         if c == "$" and s.startswith("$(", i):
             i = _match_paren(s, i + 2) + 1

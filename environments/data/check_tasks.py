@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import contextlib
 import json
 import os
 import re
@@ -45,8 +46,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path, PurePosixPath
+
+if not __package__:  # run as a script: make the repository root (and its `environments` package) importable
+    _ROOT = str(Path(__file__).resolve().parents[2])
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+from environments.grading import parse_junit  # stdlib-only, as this script
 
 DEFAULT_TASKS = Path(__file__).resolve().parent / "coding_tasks.jsonl"
 
@@ -350,6 +356,17 @@ def _write(root: Path, entries):
         target.write_text(content, encoding="utf-8")
 
 
+@contextlib.contextmanager
+def _task_workspace(task, info):
+    """A fresh temporary directory holding the task's starting files and its visible and hidden tests."""
+    with tempfile.TemporaryDirectory(prefix=f"task_{task['id']}_") as tmp:
+        root = Path(tmp)
+        _write(root, info["files"])
+        _write(root, info["visible"])
+        _write(root, info["hidden"])
+        yield root
+
+
 def _clean_env():
     drop = {"PYTHONPATH", "PYTHONSTARTUP", "PYTHONSAFEPATH", "PYTHONWARNINGS", "PYTHONBREAKPOINT"}
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PYTEST_")}
@@ -387,12 +404,7 @@ def verify_task(task, info, errors):
     """Run the tests; returns a short status string."""
     hidden_paths = [p for p, _ in info["hidden"]]
     visible_paths = [p for p, _ in info["visible"]]
-    with tempfile.TemporaryDirectory(prefix=f"task_{task['id']}_") as tmp:
-        root = Path(tmp)
-        _write(root, info["files"])
-        _write(root, info["visible"])
-        _write(root, info["hidden"])
-
+    with _task_workspace(task, info) as root:
         # (a) hidden tests must fail on the starting code (but be collectable).
         rc, out, summary, _ = run_pytest(root, hidden_paths)
         if rc == 0:
@@ -532,31 +544,11 @@ def validate_repo_task(task, errors):
     return {"files": files, "visible": visible, "hidden": hidden, "f2p": f2p, "p2p": p2p}
 
 
-def _junit_outcomes(xml_text):
-    """{test id: 'passed' | 'failed' | 'skipped'} from a pytest JUnit report (xunit1), parametrised cases
-    folded into their base test."""
-    outcomes = {}
-    for case in ET.fromstring(xml_text).iter("testcase"):
-        parts = case.get("classname", "").split(".")
-        cls = parts[-1] if parts and parts[-1][:1].isupper() else None
-        module = parts[:-1] if cls else parts
-        test_id = "/".join(module) + ".py::" + (f"{cls}::" if cls else "") + case.get("name", "").split("[", 1)[0]
-        if case.find("failure") is not None or case.find("error") is not None:
-            outcome = "failed"
-        elif case.find("skipped") is not None:
-            outcome = "skipped"
-        else:
-            outcome = "passed"
-        if outcomes.get(test_id, "passed") == "passed":
-            outcomes[test_id] = outcome
-    return outcomes
-
-
 def run_pytest_junit(cwd: Path, test_files):
     report = cwd / ".check_report.xml"
     rc, out, _summary, slow = run_pytest(cwd, [*test_files, f"--junitxml={report}", "-o", "junit_family=xunit1"],
                                          durations=True)
-    outcomes = _junit_outcomes(report.read_text()) if report.exists() else {}
+    outcomes = parse_junit(report.read_text()) if report.exists() else {}
     if report.exists():
         report.unlink()
     return rc, out, outcomes, slow
@@ -574,12 +566,7 @@ def verify_repo_task(task, info, errors):
     listed = info["f2p"] + info["p2p"]
     test_paths = sorted({t.split("::", 1)[0] for t in listed})
     visible_paths = [p for p, _ in info["visible"]]
-    with tempfile.TemporaryDirectory(prefix=f"task_{task['id']}_") as tmp:
-        root = Path(tmp)
-        _write(root, info["files"])
-        _write(root, info["visible"])
-        _write(root, info["hidden"])
-
+    with _task_workspace(task, info) as root:
         # (a) the base commit: every FAIL_TO_PASS fails, every PASS_TO_PASS passes.
         rc, out, outcomes, _ = run_pytest_junit(root, test_paths)
         passing_f2p = [t for t in info["f2p"] if outcomes.get(t.split("[", 1)[0]) == "passed"]

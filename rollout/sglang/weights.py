@@ -22,7 +22,8 @@ import io
 import itertools
 import os
 import types
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import timedelta
 from typing import Iterable, Mapping
 
@@ -159,6 +160,16 @@ def serialize_bucket(named: Mapping[str, torch.Tensor]) -> tuple[str, dict]:
 
 
 # ---- one sync ---------------------------------------------------------------------------------------
+@asynccontextmanager
+async def _clients(urls: list[str]) -> AsyncIterator[list[SGLangClient]]:
+    """One SGLang client per url, all closed when the block ends (however it ends)."""
+    clients = [SGLangClient(u) for u in urls]
+    try:
+        yield clients
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
 async def _paused(clients: list[SGLangClient], mode: str, update) -> None:
     await asyncio.gather(*(c.pause(mode) for c in clients))
     try:
@@ -171,26 +182,23 @@ async def sync_from_tensors(urls: list[str], buckets: Iterable[Mapping[str, torc
                             tp_sizes: list[int] | None = None, pause_mode: str = "abort") -> dict:
     """Colocated servers copy each bucket from our GPU memory (CUDA IPC). Every TP rank of a server gets the
     same handle; each loads its own shard of the full tensors."""
-    clients = [SGLangClient(u) for u in urls]
     stats = {"buckets": 0, "bytes": 0}
     buckets = list(buckets)
+    async with _clients(urls) as clients:
 
-    async def update():
-        for i, named in enumerate(buckets):
-            payload, keep_alive = serialize_bucket(named)
-            last = i == len(buckets) - 1
-            await asyncio.gather(*(
-                c.update_weights_from_tensor([payload] * (tp_sizes[k] if tp_sizes else 1),
-                                             version if last else None, "flattened_bucket", flush_cache=last)
-                for k, c in enumerate(clients)))
-            stats["buckets"] += 1
-            stats["bytes"] += int(keep_alive["flattened_tensor"].numel())
-            del keep_alive
+        async def update():
+            for i, named in enumerate(buckets):
+                payload, keep_alive = serialize_bucket(named)
+                last = i == len(buckets) - 1
+                await asyncio.gather(*(
+                    c.update_weights_from_tensor([payload] * (tp_sizes[k] if tp_sizes else 1),
+                                                 version if last else None, "flattened_bucket", flush_cache=last)
+                    for k, c in enumerate(clients)))
+                stats["buckets"] += 1
+                stats["bytes"] += int(keep_alive["flattened_tensor"].numel())
+                del keep_alive
 
-    try:
         await _paused(clients, pause_mode, update)
-    finally:
-        await asyncio.gather(*(c.close() for c in clients))
     return stats
 
 
@@ -200,10 +208,9 @@ async def sync_over_group(urls: list[str], buckets: Iterable[Mapping[str, torch.
                           device: str | torch.device = "cpu") -> tuple[dict, UpdateGroup]:
     """Broadcast every bucket from rank 0 (us) to every server rank. The group is made on the first call and
     returned for reuse; a server restart needs a fresh group (pass None)."""
-    clients = [SGLangClient(u) for u in urls]
     tp_sizes = tp_sizes or [1] * len(urls)
     stats = {"buckets": 0, "bytes": 0}
-    try:
+    async with _clients(urls) as clients:
         if group is None:
             # A fresh name each time: a server that survived a restart of another still holds the old group.
             name = f"{GROUP_NAME}_{next(_generations)}"
@@ -242,19 +249,14 @@ async def sync_over_group(urls: list[str], buckets: Iterable[Mapping[str, torch.
                 stats["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
 
         await _paused(clients, pause_mode, update)
-    finally:
-        await asyncio.gather(*(c.close() for c in clients))
     return stats, group
 
 
 async def sync_from_disk(urls: list[str], folder: str, version: int, pause_mode: str = "abort") -> dict:
-    clients = [SGLangClient(u) for u in urls]
+    async with _clients(urls) as clients:
 
-    async def update():
-        await asyncio.gather(*(c.update_weights_from_disk(folder, version) for c in clients))
+        async def update():
+            await asyncio.gather(*(c.update_weights_from_disk(folder, version) for c in clients))
 
-    try:
         await _paused(clients, pause_mode, update)
-    finally:
-        await asyncio.gather(*(c.close() for c in clients))
     return {"buckets": 1}

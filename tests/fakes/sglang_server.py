@@ -47,6 +47,9 @@ class AbortedWhilePaused(Exception):
     pass
 
 
+ABORTED_QUEUED_MAX = 1024  # aborted request ids remembered for requests queued behind a pause; oldest dropped
+
+
 class FakeSGLang:
     def __init__(self, model_path: str, port: int = 0):
         self.model_path = model_path
@@ -60,7 +63,7 @@ class FakeSGLang:
         self.inflight: set[str] = set()
         self.prompts: list[tuple[int, ...]] = []
         self.groups: dict[str, tuple] = {}
-        self.aborted_queued: set[str] = set()
+        self.aborted_queued: dict[str, None] = {}  # an insertion-ordered set, at most ABORTED_QUEUED_MAX ids
         self.lock = threading.Lock()
         self.started = time.time()
 
@@ -91,7 +94,7 @@ class FakeSGLang:
             while self.paused.is_set():
                 self.resumed.wait()
                 if rid in self.aborted_queued:  # SGLang answers 499 for a request aborted behind a pause
-                    self.aborted_queued.discard(rid)
+                    del self.aborted_queued[rid]
                     raise AbortedWhilePaused(rid)
             self.inflight.add(rid)
         tok = self.engine.tokenizer
@@ -140,6 +143,15 @@ class FakeSGLang:
             return best
 
     # ---- control -----------------------------------------------------------------------------------
+    def remember_aborted(self, rids: list[str]) -> None:
+        """Note aborted request ids (the caller holds `self.resumed`); only the newest ABORTED_QUEUED_MAX are
+        kept, since an id aborted while in flight (or never seen here) is never consumed by a queued request."""
+        for rid in rids:
+            self.aborted_queued.pop(rid, None)  # a repeated id counts as the newest
+            self.aborted_queued[rid] = None
+        while len(self.aborted_queued) > ABORTED_QUEUED_MAX:
+            del self.aborted_queued[next(iter(self.aborted_queued))]
+
     def pause(self, mode: str) -> None:
         self.paused.set()
         if mode == "abort":
@@ -208,7 +220,7 @@ class Handler(BaseHTTPRequestHandler):
             if route == "/abort_request":
                 rids = list(app.inflight) if body.get("abort_all") else [body.get("rid", "")]
                 with app.resumed:
-                    app.aborted_queued.update(rids)
+                    app.remember_aborted(rids)
                     app.resumed.notify_all()
                 app.run(app.engine.abort(rids))
                 return self.reply(200, "", text=True)
