@@ -77,6 +77,10 @@ def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float
     """
     import deepspeed
 
+    if zero_stage == 3 and torch.distributed.is_initialized():
+        from models.glm5.parallel import prepare_for_zero3
+
+        prepare_for_zero3(model, torch.distributed.get_world_size())
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.999),
                                   eps=1e-8)

@@ -78,6 +78,10 @@ class MoE(nn.Module):
             SwiGLU(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
         self.shared_experts = (SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts > 0 else None)
+        # Under ZeRO-3 over several ranks every rank must call every expert, in the same order, even on zero
+        # tokens: each call gathers that expert's shards (a collective) and its backward reduces its gradient.
+        # Set by models.glm5.parallel.prepare_for_zero3; off otherwise (idle experts cost kernel launches).
+        self.run_idle_experts = False
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, D] → (y [B, S, D], expert ids [B, S, k_e]). `replay` [B, S, k_e]: expert ids to use."""
@@ -93,7 +97,7 @@ class MoE(nn.Module):
         y = torch.zeros_like(flat)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
+            if n == 0 and not self.run_idle_experts:
                 continue
             tok = tokens[start:start + n]
             out = self.experts[e](flat[tok]) * weights[start:start + n, None]

@@ -1,0 +1,27 @@
+"""How GLM-5.2 is parallelised for training (torchtitan's split: model.py builds it, checkpoint.py converts it,
+this file shards it).
+
+Data parallelism with ZeRO-3 (DeepSpeed) is the trainer's layout on one node: every rank holds 1/N of each
+parameter, gradient and Adam moment and all-gathers a module's parameters right before its forward. That is
+generic except for one thing the MoE layer has to do: ranks route their tokens to different experts, and an
+expert that no token of a rank picked would be skipped on that rank only, so the ranks would disagree on which
+all-gathers (and which gradient reductions) come next and hang. `prepare_for_zero3` makes every rank run every
+expert in expert order, on zero rows where it has no tokens (the weights still get their all-gather, a zero
+gradient, and their reduction). Expert parallelism (each rank owning whole experts) is SGLang's serving layout
+(docs/SCALING.md); the trainer of a 744B model would add it through Megatron-style EP, not here.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from models.glm5.moe import MoE
+
+
+def prepare_for_zero3(model: nn.Module, world_size: int) -> int:
+    """Make `model` safe to shard with ZeRO-3 over `world_size` data-parallel ranks; returns the MoE layers
+    changed (none for one rank, where a skipped expert costs no collective)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.run_idle_experts = world_size > 1
+    return len(layers) if world_size > 1 else 0
