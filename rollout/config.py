@@ -31,6 +31,8 @@ class SGLangConfig:
     router: str = "auto"  # auto: sglang-router in front when num_servers > 1 | on | off (client-side affinity)
     router_policy: str = "consistent_hashing"
     weight_sync: str = "disk"  # tensor (colocated, CUDA IPC) | distributed (NCCL group) | disk (HF folder)
+    weight_sync_fallback: str = ""  # e.g. disk: when a sync in `weight_sync` mode fails, log why and use this
+    #                                 mode from then on (a run is not lost to a transport problem)
     weight_sync_dir: str = ""  # disk: a folder every server can read ("" = <run dir>/weights)
     pause_mode: str = "abort"  # during a weight update, in-flight requests are: abort (retried on the new
     #                            weights) | in_place (kept; they finish on the new weights: partial rollout)

@@ -37,6 +37,7 @@ class SGLangFleet:
         self.router: RouterProcess | None = None
         self.router_url: str | None = cfg.router_url or None
         self.restarts = 0
+        self.sync_fallbacks = 0  # weight syncs that failed in the configured mode (engine.sglang.weight_sync_fallback)
         self.sync_lock = threading.RLock()  # a weight sync and a restart's re-sync never interleave
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
