@@ -50,6 +50,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def advertised_host(host: str) -> str:
+    """The address other machines reach a server at. A server bound to every interface (0.0.0.0, the setting for
+    a fleet over several nodes) is advertised by this node's IP, the one Ray uses, so that the trainer, the
+    rollout workers and the router on other nodes can reach it; a specific address is advertised as is."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # no route out of this machine (a sandbox): only local clients exist anyway
+        return "127.0.0.1"
+
+
 def http_ok(url: str, timeout: float = 5.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -76,7 +90,7 @@ class ManagedProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{advertised_host(self.host)}:{self.port}"
 
     def command_line(self, **overrides) -> list[str]:
         raise NotImplementedError

@@ -17,7 +17,7 @@ from rollout.config import SGLangConfig
 from rollout.sglang.client import SGLangClient
 from rollout.sglang.engine import SGLangEngine
 from rollout.sglang.fleet import SGLangFleet
-from rollout.sglang.server import RouterProcess, SGLangServer, ServerStartError
+from rollout.sglang.server import RouterProcess, SGLangServer, ServerStartError, http_ok
 from rollout.types import SamplingParams
 
 FAKE = [sys.executable, str(Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py")]
@@ -50,6 +50,16 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path):
         server.start()
     assert "no/such/model" in str(err.value)  # the log tail names the cause
     assert not server.alive()
+
+
+def test_a_server_on_every_interface_is_advertised_by_the_node_ip(tiny_path, tmp_path):
+    server = SGLangServer(tiny_path, launch_command=FAKE, host="0.0.0.0", log_dir=str(tmp_path), startup_timeout_s=120)
+    try:
+        url = server.start()
+        assert "0.0.0.0" not in url and url.endswith(f":{server.port}")
+        assert http_ok(f"{url}/health")  # reachable at the advertised address
+    finally:
+        server.stop()
 
 
 def test_generate_returns_the_models_own_logprobs(fleet, tiny_path):
