@@ -190,17 +190,19 @@ def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int
 
 
 def engine_metrics(workers: Workers) -> dict:
-    """Request, retry and prefix-cache counters of the SGLang engines (summed over rollout workers)."""
-    if workers.fleet is None:
-        return {}
+    """Request, retry and prefix-cache counters of the SGLang engines, or the LocalEngines' speculative decoding
+    counters (summed over rollout workers)."""
     per_worker = ray.get([w.engine_metrics.remote() for w in workers.rollout])
     out: dict = {}
     for m in per_worker:
         for k, v in m.items():
             out[k] = max(out.get(k, 0.0), v) if k.endswith("_s") else out.get(k, 0) + v
-    if per_worker:
+    if per_worker and "engine/prefix_cache_hit" in out:
         out["engine/prefix_cache_hit"] = sum(m["engine/prefix_cache_hit"] for m in per_worker) / len(per_worker)
-    out["rollout/server_restarts"] = workers.fleet.restarts
+    if out.get("engine/speculative_rounds"):
+        out["engine/accept_length"] = 1 + out["engine/speculative_accepted"] / out["engine/speculative_rounds"]
+    if workers.fleet is not None:
+        out["rollout/server_restarts"] = workers.fleet.restarts
     return out
 
 

@@ -47,6 +47,7 @@ class EngineConfig:
     type: str = "local"  # local | sglang
     num_workers: int = 1  # Ray rollout workers, each with its own engine replica
     max_batch_size: int = 32  # LocalEngine: requests decoded together
+    speculative_steps: int = 0  # LocalEngine: > 0 drafts this many tokens a round with the model's MTP layer
     dtype: str = "float32"
     device: str = "auto"  # auto: the worker's GPU when Ray gave it one, else the CPU
     gpus_per_worker: float = 0.0  # Ray GPU share of each rollout worker (fractions colocate it with the trainer)

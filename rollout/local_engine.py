@@ -20,7 +20,7 @@ from typing import Mapping
 
 import torch
 
-from rollout.sampling import processed_logprobs, sample
+from rollout.sampling import processed_logprobs, sample, verify_drafts
 from rollout.types import GenerateResult, SamplingParams
 
 _STOP_WINDOW = 16  # tokens decoded to look for stop strings
@@ -36,10 +36,45 @@ class _Request:
     queued_at: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class _Batch:
+    """One batch's tensors, sampling settings and outputs (left-padded prompts)."""
+    requests: list[_Request]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    greedy: torch.Tensor
+    generators: list[torch.Generator]
+    max_new: list[int]
+    stop_ids: list[set[int]]
+    out_ids: list[list[int]]
+    out_lp: list[list[float]]
+    finish: list[str | None]
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.input_ids) for r in self.requests)
+
+
 class LocalEngine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch_size: int = 16,
-                 gather_window_s: float = 0.02, weight_version: int = 0):
+                 gather_window_s: float = 0.02, weight_version: int = 0, speculative_steps: int = 0):
         self.model = model.eval()
+        # > 0: draft this many tokens per round with the model's MTP layer (GLM-5.2) and verify them at once
+        self.speculative_steps = speculative_steps
+        self._drafter = None
+        self._spec_seen = (0, 0)  # counters already reported by speculative_metrics
+        if speculative_steps:
+            from models.glm5.speculative import MTPDrafter
+
+            self._drafter = MTPDrafter(model)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
@@ -108,6 +143,17 @@ class LocalEngine:
     async def health(self) -> dict:
         return {"ok": self._thread.is_alive(), "weight_version": self.weight_version, "queued": len(self._queue),
                 **self.stats}
+
+    def speculative_metrics(self) -> dict:
+        """Speculative decoding since the last call: verify rounds, accepted drafts and the acceptance length
+        (tokens emitted per target forward: accepted drafts + the target's own token). Empty when it is off."""
+        if not self.speculative_steps:
+            return {}
+        rounds = self.stats.get("speculative_rounds", 0) - self._spec_seen[0]
+        accepted = self.stats.get("speculative_accepted", 0) - self._spec_seen[1]
+        self._spec_seen = (rounds + self._spec_seen[0], accepted + self._spec_seen[1])
+        return {"engine/speculative_rounds": rounds, "engine/speculative_accepted": accepted,
+                "engine/accept_length": 1 + accepted / rounds if rounds else 0.0}
 
     # ---- weights -------------------------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int | None = None) -> None:
@@ -181,10 +227,7 @@ class LocalEngine:
         self._aborted.discard(request.request_id)
         request.loop.call_soon_threadsafe(_set_result, request.future, result)
 
-    @torch.inference_mode()
-    def _run_batch(self, batch: list[_Request]) -> list[GenerateResult]:
-        from transformers import DynamicCache
-
+    def _prepare(self, batch: list[_Request]) -> _Batch:
         n = len(batch)
         lengths = [len(r.input_ids) for r in batch]
         width = max(lengths)
@@ -194,59 +237,128 @@ class LocalEngine:
             ids[i, width - lengths[i]:] = torch.tensor(r.input_ids)
             mask[i, width - lengths[i]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-
         sp = [r.sampling for r in batch]
-        temperature = torch.tensor([s.temperature for s in sp], dtype=torch.float32, device=self.device)
-        top_p = torch.tensor([s.top_p for s in sp], dtype=torch.float32, device=self.device)
-        top_k = torch.tensor([s.top_k for s in sp], dtype=torch.long, device=self.device)
-        greedy = temperature <= 0
         generators = []
         for s in sp:
             seed = s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             generators.append(torch.Generator(device=self.device).manual_seed(seed))
+        temperature = torch.tensor([s.temperature for s in sp], dtype=torch.float32, device=self.device)
         max_new = [max(0, s.max_new_tokens) for s in sp]
-        stop_ids = [set() if s.ignore_eos else set(s.stop_token_ids) for s in sp]
+        return _Batch(batch, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), temperature,
+                      torch.tensor([s.top_p for s in sp], dtype=torch.float32, device=self.device),
+                      torch.tensor([s.top_k for s in sp], dtype=torch.long, device=self.device), temperature <= 0,
+                      generators, max_new, [set() if s.ignore_eos else set(s.stop_token_ids) for s in sp],
+                      [[] for _ in batch], [[] for _ in batch], ["length" if m == 0 else None for m in max_new])
 
-        out_ids: list[list[int]] = [[] for _ in range(n)]
-        out_lp: list[list[float]] = [[] for _ in range(n)]
-        finish: list[str | None] = ["length" if m == 0 else None for m in max_new]
+    def _emit(self, b: _Batch, i: int, token: int, logprob: float) -> None:
+        """Append one sampled token to row i unless the row has finished; mark it finished when it should."""
+        if b.finish[i] is not None:
+            return
+        request, sp = b.requests[i], b.requests[i].sampling
+        if request.request_id in self._aborted:
+            b.finish[i] = "abort"
+            return
+        b.out_ids[i].append(token)
+        b.out_lp[i].append(logprob)
+        if token in b.stop_ids[i] or (not sp.ignore_eos and self._hit_stop_string(b.out_ids[i], sp.stop_strings)):
+            b.finish[i] = "stop"
+        elif len(b.out_ids[i]) >= b.max_new[i]:
+            b.finish[i] = "length"
+
+    def _results(self, b: _Batch, **meta) -> list[GenerateResult]:
+        self.stats["requests"] += len(b.requests)
+        self.stats["prompt_tokens"] += b.prompt_tokens
+        self.stats["generated_tokens"] += sum(len(o) for o in b.out_ids)
+        return [GenerateResult(b.out_ids[i], b.out_lp[i], b.finish[i] or "length",
+                               {"request_id": r.request_id, "weight_version": self.weight_version,
+                                "prompt_tokens": len(r.input_ids), "completion_tokens": len(b.out_ids[i]), **meta})
+                for i, r in enumerate(b.requests)]
+
+    def _process(self, b: _Batch, logits: torch.Tensor) -> torch.Tensor:
+        """log μ [n, V] of rows' logits [n, V] (n a multiple of the batch: rows repeat in order)."""
+        rep = logits.shape[0] // len(b.requests)
+        return processed_logprobs(logits, b.temperature.repeat_interleave(rep), b.top_k.repeat_interleave(rep),
+                                  b.top_p.repeat_interleave(rep))
+
+    @torch.inference_mode()
+    def _run_batch(self, batch: list[_Request]) -> list[GenerateResult]:
+        if self.speculative_steps:
+            return self._run_batch_speculative(batch)
+        from transformers import DynamicCache
+
+        b = self._prepare(batch)
+        mask = b.mask
         cache = {self._cache_kwarg: DynamicCache()}
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        logits = self.model(input_ids=b.ids, attention_mask=mask, position_ids=b.positions, use_cache=True,
                             logits_to_keep=1, **cache).logits[:, -1].float()
-        next_pos = positions[:, -1:] + 1
-        steps = 0
-        while any(f is None for f in finish):
-            logp = processed_logprobs(logits, temperature, top_k, top_p)
-            tokens, token_lp = sample(logp, greedy, generators)
-            steps += 1
-            token_list, lp_list = tokens.tolist(), token_lp.tolist()  # one host sync per step
-            for i in range(n):
-                if finish[i] is not None:
-                    continue
-                if batch[i].request_id in self._aborted:
-                    finish[i] = "abort"
-                    continue
-                tok = token_list[i]
-                out_ids[i].append(tok)
-                out_lp[i].append(lp_list[i])
-                if tok in stop_ids[i] or (not sp[i].ignore_eos and self._hit_stop_string(out_ids[i], sp[i].stop_strings)):
-                    finish[i] = "stop"
-                elif len(out_ids[i]) >= max_new[i]:
-                    finish[i] = "length"
-            if all(f is not None for f in finish):
+        next_pos = b.positions[:, -1:] + 1
+        while not b.done:
+            tokens, token_lp = sample(self._process(b, logits), b.greedy, b.generators)
+            for i, (tok, lp) in enumerate(zip(tokens.tolist(), token_lp.tolist())):  # one host sync per step
+                self._emit(b, i, tok, lp)
+            if b.done:
                 break
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=mask.device)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=mask.device)], dim=1)
             logits = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
                                 use_cache=True, **cache).logits[:, -1].float()
             next_pos = next_pos + 1
-        self.stats["requests"] += n
-        self.stats["prompt_tokens"] += sum(lengths)
-        self.stats["generated_tokens"] += sum(len(o) for o in out_ids)
-        return [GenerateResult(out_ids[i], out_lp[i], finish[i] or "length",
-                               {"request_id": batch[i].request_id, "weight_version": self.weight_version,
-                                "prompt_tokens": lengths[i], "completion_tokens": len(out_ids[i])})
-                for i in range(n)]
+        return self._results(b)
+
+    @torch.inference_mode()
+    def _run_batch_speculative(self, batch: list[_Request]) -> list[GenerateResult]:
+        """Draft k tokens per row with the model's MTP layer, verify them in one forward (models/glm5/
+        speculative.py has the round; rollout/sampling.verify_drafts the acceptance rule, exact in distribution)."""
+        k, drafter, b = self.speculative_steps, self._drafter, self._prepare(batch)
+        n, rows = len(batch), torch.arange(len(batch), device=self.device)
+        cache = drafter.new_cache()
+        mask = b.mask
+
+        def draft_sample(logits):
+            logq = self._process(b, logits)
+            return sample(logq, b.greedy, b.generators)[0], logq
+
+        out = self.model(input_ids=b.ids, attention_mask=mask, position_ids=b.positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        token, token_lp = sample(self._process(b, out.logits[:, -1].float()), b.greedy, b.generators)
+        for i, (tok, lp) in enumerate(zip(token.tolist(), token_lp.tolist())):
+            self._emit(b, i, tok, lp)
+        # MTP step 1 over the prompt: anchor i sees the token after it (the last one: the token just sampled)
+        h1, selection = drafter.extend(cache, out.last_hidden_state, torch.cat([b.ids[:, 1:], token[:, None]], 1),
+                                       b.positions, mask)
+        width = b.ids.shape[1]
+        offset = torch.full((n,), width - 1, device=self.device)
+        anchor, pos = offset.clone(), b.positions[:, -1]
+        rounds, accepted_total = 0, 0
+        while not b.done:
+            drafts, logq = drafter.draft(cache, h1[rows, offset].unsqueeze(1), selection, offset, anchor, pos, mask,
+                                         k, draft_sample)
+            past = cache.get_seq_length()
+            verify_pos = (pos + 1).unsqueeze(1) + torch.arange(k + 1, device=self.device)
+            mask = torch.cat([mask, torch.ones((n, k + 1), dtype=mask.dtype, device=mask.device)], dim=1)
+            out = self.model(input_ids=torch.cat([token[:, None], drafts], 1), attention_mask=mask,
+                             position_ids=verify_pos, cache=cache, use_cache=True, logits_to_keep=0)
+            logp = self._process(b, out.logits.float().reshape(n * (k + 1), -1)).view(n, k + 1, -1)
+            kept, following = verify_drafts(logp, logq, drafts, b.greedy, b.generators)
+            active = [i for i in range(n) if b.finish[i] is None]
+            rounds += 1
+            accepted_total += sum(kept[i] for i in active)
+            for i in range(n):
+                for j in range(kept[i]):
+                    self._emit(b, i, int(drafts[i, j]), float(logp[i, j, drafts[i, j]]))
+                self._emit(b, i, following[i], float(logp[i, kept[i], following[i]]))
+            if b.done:
+                break
+            kept_t = torch.tensor(kept, device=self.device)
+            slot = torch.arange(k + 1, device=self.device)
+            mask[:, past:] = (slot[None, :] <= kept_t[:, None]).to(mask.dtype)  # rejected drafts become holes
+            token = torch.tensor(following, device=self.device)
+            after = torch.cat([drafts, drafts[:, -1:]], 1)  # the token after each new slot: next draft or b
+            after[rows, kept_t] = token
+            h1, selection = drafter.extend(cache, out.last_hidden_state, after, verify_pos, mask)
+            offset, anchor, pos = kept_t, past + kept_t, pos + 1 + kept_t
+        self.stats["speculative_rounds"] = self.stats.get("speculative_rounds", 0) + rounds
+        self.stats["speculative_accepted"] = self.stats.get("speculative_accepted", 0) + accepted_total
+        return self._results(b, speculative_rounds=rounds, speculative_accepted=accepted_total)
 
     def _hit_stop_string(self, ids: list[int], stop_strings: tuple[str, ...]) -> bool:
         if not stop_strings or self.tokenizer is None:

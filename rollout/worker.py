@@ -38,7 +38,8 @@ class RolloutWorker:
         else:
             device = engine.device if engine.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, device=device,
-                                                      max_batch_size=engine.max_batch_size)
+                                                      max_batch_size=engine.max_batch_size,
+                                                      speculative_steps=engine.speculative_steps)
         self.runtime = EpisodeRuntime(
             engine=self.engine, tokenizer=self.engine.tokenizer, chat=make_chat_format(chat_format),
             parser=make_tool_parser(tool_format, TOOL_SPECS), guard=guard, config=agent,
@@ -76,7 +77,9 @@ class RolloutWorker:
             self.engine.set_weight_version(version)
 
     async def engine_metrics(self) -> dict:
-        return self.engine.stats.as_metrics() if isinstance(self.engine, SGLangEngine) else {}
+        if isinstance(self.engine, SGLangEngine):
+            return self.engine.stats.as_metrics()
+        return self.engine.speculative_metrics()
 
     async def engine_weights(self) -> dict[str, torch.Tensor]:
         """The engine's current parameters (for verifying a sync)."""

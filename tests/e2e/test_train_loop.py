@@ -118,13 +118,15 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
 
 def test_glm52_tiny_as_policy_and_critic(tmp_path):
     """The sparse architecture (models/glm5: MLA, DSA indexer with IndexShare, MoE) through the whole loop:
-    LocalEngine rollouts, chunked logprobs, the value-head critic, DeepSpeed updates, weight sync, checkpoints."""
+    LocalEngine rollouts with MTP speculative decoding, chunked logprobs, the value-head critic, DeepSpeed
+    updates, weight sync, checkpoints."""
     from rl.train import train
 
     cfg = config("model=glm52_tiny", f"output_dir={tmp_path}", "trainer.steps=1", "trainer.eval_at_start=false",
-                 "trainer.verify_weight_sync=true", "logging.wandb_mode=disabled")
+                 "trainer.verify_weight_sync=true", "logging.wandb_mode=disabled", "engine.speculative_steps=2")
     final = train(cfg)
     assert final["rollout/episodes"] == 4 and final["perf/weight_sync_max_abs_diff"] == 0.0
+    assert final["engine/speculative_rounds"] > 0 and final["engine/accept_length"] >= 1.0
     assert math.isfinite(final["actor/grad_norm"]) and math.isfinite(final["critic/grad_norm"])
     latest = tmp_path / "coding_ppo_tiny" / "checkpoints" / "step_000001"
     config_json = json.loads((latest / "actor" / "hf" / "config.json").read_text())
