@@ -27,7 +27,8 @@ from opd.teacher import TeacherWorker, check_same_tokenizer
 from rl.actor import needs_reference
 from rl.batch import add_advantages, to_samples, trainable
 from rl.checkpoint import Checkpointer
-from rl.cluster import Workers, guard_metrics, push_weights, run_episodes, spawn, start_ray
+from rl.cluster import (Workers, guard_metrics, push_weights, rollout_worker_kwargs, run_episodes, spawn,
+                        start_ray)
 from rl.config import validate
 from rl.data import TaskSampler
 from rl.metrics import MetricsLogger, plot_curves
@@ -138,10 +139,7 @@ def evaluate_teachers(cfg: DistillConfig, tasks) -> dict:
     for t in cfg.opd.teachers:
         worker = ray.remote(num_cpus=0, num_gpus=t.gpus, max_concurrency=cfg.engine.max_concurrent_episodes + 8)(
             RolloutWorker).remote(str(resolve_model_path(t.path)), cfg.engine.__class__(**{
-                **vars(cfg.engine), "type": "local"}), cfg.agent, cfg.guard, chat_format=cfg.model.chat_format,
-                tool_format=cfg.model.tool_format, sandbox_backend=cfg.env.sandbox,
-                sandbox_limits=dict(vars(cfg.env.limits)), reward=cfg.env.reward,
-                grade_timeout_s=cfg.env.grade_timeout_s)
+                **vars(cfg.engine), "type": "local"}), **rollout_worker_kwargs(cfg))
         trajs = ray.get([worker.run_episode.remote(task, "eval", 10_000 + i) for i, task in enumerate(tasks)])
         for key, value in per_domain(trajs, f"teacher/{t.name}/eval").items():
             out[key] = value

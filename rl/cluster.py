@@ -71,16 +71,23 @@ def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Wo
         critic_worker = ray.remote(num_cpus=0, num_gpus=t.critic_gpus)(CriticWorker).remote(
             critic, OptimConfig(learning_rate=t.critic_learning_rate, **common), cfg.algorithm.value_clip or None,
             dtype=cfg.model.dtype, seed=cfg.seed + 1, torch_threads=threads)
-    limits = dict(vars(cfg.env.limits))
     rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,
                           max_concurrency=cfg.engine.max_concurrent_episodes + 8)(RolloutWorker).remote(
-        policy, cfg.engine, cfg.agent, cfg.guard, chat_format=cfg.model.chat_format, tool_format=cfg.model.tool_format,
-        sandbox_backend=cfg.env.sandbox, sandbox_limits=limits, reward=cfg.env.reward,
-        grade_timeout_s=cfg.env.grade_timeout_s, worker_index=i, sglang_endpoint=fleet.endpoint() if fleet else None)
+        policy, cfg.engine, **rollout_worker_kwargs(cfg), worker_index=i,
+        sglang_endpoint=fleet.endpoint() if fleet else None)
         for i in range(cfg.engine.num_workers)]
     ray.get([h.__ray_ready__.remote() for h in (actor, critic_worker, *rollout) if h is not None])
     sync_dir = cfg.engine.sglang.weight_sync_dir or (f"{run_dir}/weights" if run_dir else "/tmp/agentic-rl-weights")
     return Workers(actor, critic_worker, rollout, fleet, sync_dir)
+
+
+def rollout_worker_kwargs(cfg: Config) -> dict:
+    """What every RolloutWorker of a run shares besides its model and engine config: the agent, the guard, the
+    chat and tool formats, the sandbox and the grading."""
+    return {"agent": cfg.agent, "guard": cfg.guard, "chat_format": cfg.model.chat_format,
+            "tool_format": cfg.model.tool_format, "sandbox_backend": cfg.env.sandbox,
+            "sandbox_limits": dict(vars(cfg.env.limits)), "reward": cfg.env.reward,
+            "grade_timeout_s": cfg.env.grade_timeout_s}
 
 
 def run_episodes(workers: Workers, tasks: list[Task], mode: str, seed: int, desc: str) -> list[Trajectory]:
