@@ -136,9 +136,12 @@ def push_weights_sglang(workers: Workers, version: int, bucket_mb: int, verify: 
                                                         workers.weight_sync_dir, [tp] * len(fleet.urls), fresh_group))
 
     with fleet.sync_lock:
+        started = time.perf_counter()
         try:
             stats = sync(cfg.weight_sync, new_group)
         except Exception as e:
+            # Helps when the transport fails cleanly (a server that refuses or errors); a broadcast stuck
+            # inside a server would hold that server's update lock, and the health monitor has to act.
             fallback = cfg.weight_sync_fallback
             if not fallback or fallback == cfg.weight_sync:
                 raise
@@ -146,6 +149,7 @@ def push_weights_sglang(workers: Workers, version: int, bucket_mb: int, verify: 
             cfg.weight_sync = fallback
             fleet.sync_fallbacks += 1
             stats = sync(fallback, True)
+            stats["seconds"] = time.perf_counter() - started  # the failed attempt counts too
     ray.get([w.set_weight_version.remote(version) for w in workers.rollout])
     workers.weight_version = version
     out = {"perf/weight_sync_s": stats["seconds"], "perf/weight_sync_mb": stats.get("bytes", 0) / 2**20,
@@ -166,8 +170,15 @@ def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int
     from rollout.sglang.client import SGLangClient, SGLangError
 
     state = ray.get(workers.actor.gathered_state.remote())
-    served_dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                    "half": torch.float16}.get(str(workers.fleet.cfg.args.get("dtype", "")), torch.float32)
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
+    served = str(workers.fleet.cfg.args.get("dtype", "auto"))
+    if served == "auto":  # SGLang serves the checkpoint's dtype
+        import json
+        from pathlib import Path
+
+        config = Path(workers.fleet.model_path) / "config.json"
+        served = json.loads(config.read_text()).get("torch_dtype", "float32") if config.exists() else "float32"
+    served_dtype = dtypes.get(str(served), torch.float32)
     names = [n for n in state if state[n].dim() <= 2]
     picks = [names[int(i * (len(names) - 1) / max(names_per_server - 1, 1))] for i in range(names_per_server)]
 
@@ -192,8 +203,8 @@ def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int
     async def all_servers():
         return await asyncio.gather(*(read(u) for u in workers.fleet.urls))
 
-    diffs = asyncio.run(all_servers())
-    return float("nan") if any(d != d for d in diffs) else max(diffs)
+    answered = [d for d in asyncio.run(all_servers()) if d == d]
+    return max(answered) if answered else float("nan")
 
 
 def engine_metrics(workers: Workers) -> dict:
@@ -206,7 +217,7 @@ def engine_metrics(workers: Workers) -> dict:
             out[k] = max(out.get(k, 0.0), v) if k.endswith("_s") else out.get(k, 0) + v
     if per_worker and "engine/prefix_cache_hit" in out:
         out["engine/prefix_cache_hit"] = sum(m["engine/prefix_cache_hit"] for m in per_worker) / len(per_worker)
-    if out.get("engine/speculative_rounds"):
+    if out.get("engine/speculative_rounds"):  # tokens a row gets per verify forward: its kept drafts + one
         out["engine/accept_length"] = 1 + out["engine/speculative_accepted"] / out["engine/speculative_rounds"]
     if workers.fleet is not None:
         out["rollout/server_restarts"] = workers.fleet.restarts

@@ -141,6 +141,7 @@ def validate(cfg: Config) -> None:
     sg = cfg.engine.sglang
     if cfg.engine.type == "sglang":
         one_of("engine.sglang.weight_sync", sg.weight_sync, ["tensor", "distributed", "disk"])
+        one_of("engine.sglang.weight_sync_fallback", sg.weight_sync_fallback, ["", "tensor", "distributed", "disk"])
         one_of("engine.sglang.pause_mode", sg.pause_mode, ["abort", "in_place", "retract"])
         one_of("engine.sglang.router", sg.router, ["auto", "on", "off"])
         if sg.num_servers < 1 and not sg.urls and not sg.router_url:
@@ -149,6 +150,9 @@ def validate(cfg: Config) -> None:
             problems.append("engine.sglang.weight_sync=tensor needs servers on the trainer's GPUs; attached "
                             "servers (engine.sglang.urls) take distributed or disk")
     one_of("env.sandbox", cfg.env.sandbox, ["bwrap", "docker"])
+    if cfg.engine.speculative_steps < 0 or (cfg.engine.speculative_steps and cfg.engine.type != "local"):
+        problems.append(f"engine.speculative_steps={cfg.engine.speculative_steps}: a count ≥ 0, for the LocalEngine "
+                        "(SGLang servers take their own --speculative-* arguments in engine.sglang.args)")
     one_of("env.reward", cfg.env.reward, ["pass_fraction", "binary"])
     one_of("guard.dummy_mode", cfg.guard.dummy_mode, ["environment_consistent", "explicit_notice"])
     one_of("guard.judge.backend", cfg.guard.judge.backend, ["none", "engine", "openai"])

@@ -145,15 +145,14 @@ class LocalEngine:
                 **self.stats}
 
     def speculative_metrics(self) -> dict:
-        """Speculative decoding since the last call: verify rounds, accepted drafts and the acceptance length
-        (tokens emitted per target forward: accepted drafts + the target's own token). Empty when it is off."""
+        """Speculative decoding counters since the last call: verify rounds summed over rows, and drafts emitted
+        (rl.cluster.engine_metrics turns them into the acceptance length). Empty when it is off."""
         if not self.speculative_steps:
             return {}
         rounds = self.stats.get("speculative_rounds", 0) - self._spec_seen[0]
         accepted = self.stats.get("speculative_accepted", 0) - self._spec_seen[1]
         self._spec_seen = (rounds + self._spec_seen[0], accepted + self._spec_seen[1])
-        return {"engine/speculative_rounds": rounds, "engine/speculative_accepted": accepted,
-                "engine/accept_length": 1 + accepted / rounds if rounds else 0.0}
+        return {"engine/speculative_rounds": rounds, "engine/speculative_accepted": accepted}
 
     # ---- weights -------------------------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int | None = None) -> None:
@@ -250,20 +249,22 @@ class LocalEngine:
                       generators, max_new, [set() if s.ignore_eos else set(s.stop_token_ids) for s in sp],
                       [[] for _ in batch], [[] for _ in batch], ["length" if m == 0 else None for m in max_new])
 
-    def _emit(self, b: _Batch, i: int, token: int, logprob: float) -> None:
-        """Append one sampled token to row i unless the row has finished; mark it finished when it should."""
+    def _emit(self, b: _Batch, i: int, token: int, logprob: float) -> bool:
+        """Append one sampled token to row i unless the row has finished (then False); mark it finished when it
+        should."""
         if b.finish[i] is not None:
-            return
+            return False
         request, sp = b.requests[i], b.requests[i].sampling
         if request.request_id in self._aborted:
             b.finish[i] = "abort"
-            return
+            return False
         b.out_ids[i].append(token)
         b.out_lp[i].append(logprob)
         if token in b.stop_ids[i] or (not sp.ignore_eos and self._hit_stop_string(b.out_ids[i], sp.stop_strings)):
             b.finish[i] = "stop"
         elif len(b.out_ids[i]) >= b.max_new[i]:
             b.finish[i] = "length"
+        return True
 
     def _results(self, b: _Batch, **meta) -> list[GenerateResult]:
         self.stats["requests"] += len(b.requests)
@@ -275,7 +276,7 @@ class LocalEngine:
                 for i, r in enumerate(b.requests)]
 
     def _process(self, b: _Batch, logits: torch.Tensor) -> torch.Tensor:
-        """log μ [n, V] of rows' logits [n, V] (n a multiple of the batch: rows repeat in order)."""
+        """log μ [n, V] of rows' logits [n, V]; n = rows × p with each row's p positions consecutive."""
         rep = logits.shape[0] // len(b.requests)
         return processed_logprobs(logits, b.temperature.repeat_interleave(rep), b.top_k.repeat_interleave(rep),
                                   b.top_p.repeat_interleave(rep))
@@ -328,7 +329,7 @@ class LocalEngine:
         width = b.ids.shape[1]
         offset = torch.full((n,), width - 1, device=self.device)
         anchor, pos = offset.clone(), b.positions[:, -1]
-        rounds, accepted_total = 0, 0
+        row_rounds, row_accepted = [0] * n, [0] * n  # verify rounds a row took part in; its drafts emitted
         while not b.done:
             drafts, logq = drafter.draft(cache, h1[rows, offset].unsqueeze(1), selection, offset, anchor, pos, mask,
                                          k, draft_sample)
@@ -338,27 +339,31 @@ class LocalEngine:
             out = self.model(input_ids=torch.cat([token[:, None], drafts], 1), attention_mask=mask,
                              position_ids=verify_pos, cache=cache, use_cache=True, logits_to_keep=0)
             logp = self._process(b, out.logits.float().reshape(n * (k + 1), -1)).view(n, k + 1, -1)
-            kept, following = verify_drafts(logp, logq, drafts, b.greedy, b.generators)
-            active = [i for i in range(n) if b.finish[i] is None]
-            rounds += 1
-            accepted_total += sum(kept[i] for i in active)
+            kept_t, token = verify_drafts(logp, logq, drafts, b.greedy, b.generators)
+            draft_lp = logp[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1).tolist()
+            kept, following = kept_t.tolist(), token.tolist()
+            following_lp, draft_ids = logp[rows, kept_t, token].tolist(), drafts.tolist()
             for i in range(n):
+                if b.finish[i] is not None:
+                    continue
+                row_rounds[i] += 1
                 for j in range(kept[i]):
-                    self._emit(b, i, int(drafts[i, j]), float(logp[i, j, drafts[i, j]]))
-                self._emit(b, i, following[i], float(logp[i, kept[i], following[i]]))
+                    row_accepted[i] += self._emit(b, i, draft_ids[i][j], draft_lp[i][j])
+                self._emit(b, i, following[i], following_lp[i])
             if b.done:
                 break
-            kept_t = torch.tensor(kept, device=self.device)
             slot = torch.arange(k + 1, device=self.device)
             mask[:, past:] = (slot[None, :] <= kept_t[:, None]).to(mask.dtype)  # rejected drafts become holes
-            token = torch.tensor(following, device=self.device)
             after = torch.cat([drafts, drafts[:, -1:]], 1)  # the token after each new slot: next draft or b
             after[rows, kept_t] = token
             h1, selection = drafter.extend(cache, out.last_hidden_state, after, verify_pos, mask)
             offset, anchor, pos = kept_t, past + kept_t, pos + 1 + kept_t
-        self.stats["speculative_rounds"] = self.stats.get("speculative_rounds", 0) + rounds
-        self.stats["speculative_accepted"] = self.stats.get("speculative_accepted", 0) + accepted_total
-        return self._results(b, speculative_rounds=rounds, speculative_accepted=accepted_total)
+        self.stats["speculative_rounds"] = self.stats.get("speculative_rounds", 0) + sum(row_rounds)
+        self.stats["speculative_accepted"] = self.stats.get("speculative_accepted", 0) + sum(row_accepted)
+        results = self._results(b)
+        for r, rounds, accepted in zip(results, row_rounds, row_accepted):
+            r.meta.update(speculative_rounds=rounds, speculative_accepted=accepted)
+        return results
 
     def _hit_stop_string(self, ids: list[int], stop_strings: tuple[str, ...]) -> bool:
         if not stop_strings or self.tokenizer is None:

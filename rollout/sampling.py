@@ -51,40 +51,27 @@ def sample(logprobs: torch.Tensor, greedy: torch.Tensor, generators: list[torch.
 
 
 def verify_drafts(target_logp: torch.Tensor, draft_logp: torch.Tensor, drafts: torch.Tensor, greedy: torch.Tensor,
-                  generators: list[torch.Generator | None]) -> tuple[list[int], list[int]]:
+                  generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): which drafts each row keeps, and the token
     that follows them, such that every emitted token is distributed exactly as the target's μ.
 
     target_logp [B, k+1, V]: log μ at the k+1 verified positions (position j scores draft j+1; position k the
     bonus token after all k); draft_logp [B, k, V]: log q of the drafter at each draft; drafts [B, k].
-    Draft j is kept with probability min(1, μ_j(d)/q_j(d)) (greedy: iff it is μ's argmax); at the first
-    rejection the next token is drawn from the residual norm(max(0, μ_j − q_j)) (greedy: μ's argmax), after k
-    acceptances from μ_k. Returns (accepted counts [B], next tokens [B]).
+    Draft j is kept with probability min(1, μ_j(d)/q_j(d)) (greedy: iff it is μ's argmax), up to the first
+    rejection; then the next token is drawn from the residual norm(max(0, μ_m − q_m)) (greedy: μ's argmax), or
+    after k acceptances from μ_k. Vectorised over rows, no host sync. Returns (kept counts [B], next tokens [B]).
     """
     b, k = drafts.shape
-    accepted, following = [], []
-    for r in range(b):
-        gen = generators[r]
-        m = 0
-        while m < k:
-            d = int(drafts[r, m])
-            if bool(greedy[r]):
-                ok = int(target_logp[r, m].argmax()) == d
-            else:
-                u = torch.rand((), device=target_logp.device, generator=gen)
-                ok = bool(u.log() < target_logp[r, m, d] - draft_logp[r, m, d])
-            if not ok:
-                break
-            m += 1
-        if bool(greedy[r]):
-            nxt = int(target_logp[r, m].argmax())
-        elif m == k:
-            nxt = int(torch.multinomial(target_logp[r, m].exp(), 1, generator=gen))
-        else:
-            residual = (target_logp[r, m].exp() - draft_logp[r, m].exp()).clamp(min=0)
-            if float(residual.sum()) <= 0:  # μ = q exactly: the rejection had probability 0; μ is the residual
-                residual = target_logp[r, m].exp()
-            nxt = int(torch.multinomial(residual, 1, generator=gen))
-        accepted.append(m)
-        following.append(nxt)
-    return accepted, following
+    rows = torch.arange(b, device=drafts.device)
+    u = torch.stack([torch.rand(k, device=drafts.device, generator=g) for g in generators])
+    logp_d = target_logp[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    logq_d = draft_logp.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    ok = torch.where(greedy.unsqueeze(-1), target_logp[:, :k].argmax(-1) == drafts, u.log() < logp_d - logq_d)
+    kept = ok.long().cumprod(1).sum(1)  # drafts before the first rejection
+    mu = target_logp[rows, kept].exp()
+    residual = (mu - draft_logp[rows, kept.clamp(max=k - 1)].exp()).clamp(min=0)
+    use_residual = (kept < k) & (residual.sum(-1) > 0)  # μ = q exactly: the rejection had probability 0
+    dist = torch.where(use_residual.unsqueeze(-1), residual, mu)
+    following, _ = sample(dist.log(), greedy, generators)  # greedy rows: argmax μ_m (residual unused)
+    following = torch.where(greedy, mu.argmax(-1), following)
+    return kept, following

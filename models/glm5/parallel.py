@@ -7,7 +7,10 @@ generic except for one thing the MoE layer has to do: ranks route their tokens t
 expert that no token of a rank picked would be skipped on that rank only, so the ranks would disagree on which
 all-gathers (and which gradient reductions) come next and hang. `prepare_for_zero3` makes every rank run every
 expert in expert order, on zero rows where it has no tokens (the weights still get their all-gather, a zero
-gradient, and their reduction). Expert parallelism (each rank owning whole experts) is SGLang's serving layout
+gradient, and their reduction). The same holds for every data-dependent call count: the ranks must also see
+the same shapes (sequence lengths, so that the indexer runs or not alike and chunked heads loop alike): a
+multi-rank trainer pads every rank's micro-batch to one length (bench/zero3_glm5.py uses equal shapes; the RL
+actor and critic are one rank each today). Expert parallelism (each rank owning whole experts) is SGLang's serving layout
 (docs/SCALING.md); the trainer of a 744B model would add it through Megatron-style EP, not here.
 """
 

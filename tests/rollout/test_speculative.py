@@ -72,8 +72,12 @@ def test_accepted_drafts_and_holes_keep_the_output_exact(model):
     got = generate(engine, SamplingParams(temperature=0.0, max_new_tokens=24))
     for w, g in zip(want, got):
         assert g.output_ids == w
-    rounds, accepted = got[0].meta["speculative_rounds"], got[0].meta["speculative_accepted"]
-    assert accepted > 0 and rounds < 23
+        rounds, accepted = g.meta["speculative_rounds"], g.meta["speculative_accepted"]
+        assert accepted > 0 and rounds < 23
+        # per row: the prefill's token, then per round its kept drafts and one more (unless max_new cut it)
+        assert len(g.output_ids) - 1 - accepted in (rounds, rounds - 1)
+    stats = engine.speculative_metrics()
+    assert stats["engine/speculative_accepted"] == sum(g.meta["speculative_accepted"] for g in got)
 
 
 def test_verify_drafts_samples_the_target_distribution():
