@@ -145,7 +145,6 @@ class ActorWorker(DeepSpeedWorker):
         our own GPU copies, `distributed` broadcasts over a process group with them (NCCL, gloo on CPU; the group
         is kept for the next sync unless `new_group`), `disk` writes an HF folder they reload."""
         import asyncio
-        import socket
 
         from rollout.sglang import weights as sync
 
@@ -166,8 +165,10 @@ class ActorWorker(DeepSpeedWorker):
                 except Exception:  # a member died: the group is broken anyway
                     pass
                 group = None
-            address = socket.gethostbyname(socket.gethostname()) if any("127.0.0.1" not in u for u in urls) \
-                else "127.0.0.1"
+            from rollout.sglang.server import advertised_host
+
+            # servers elsewhere reach us at this node's IP (the one they are advertised by, too)
+            address = advertised_host("0.0.0.0") if any("127.0.0.1" not in u for u in urls) else "127.0.0.1"
             from models.training import free_port
 
             stats, self._update_group = asyncio.run(sync.sync_over_group(

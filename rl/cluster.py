@@ -8,6 +8,7 @@ process on this machine; every placement comes from the config.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -203,7 +204,7 @@ def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int
     async def all_servers():
         return await asyncio.gather(*(read(u) for u in workers.fleet.urls))
 
-    answered = [d for d in asyncio.run(all_servers()) if d == d]
+    answered = [d for d in asyncio.run(all_servers()) if not math.isnan(d)]
     return max(answered) if answered else float("nan")
 
 
