@@ -84,6 +84,7 @@ class TrainerConfig:
     eval_every: int = 0  # 0: only before the first and after the last step
     eval_at_start: bool = True
     eval_max_tasks: int = 0  # 0: the whole held-out split
+    eval_samples: int = 1  # episodes per held-out task; > 1 (with engine.eval_temperature > 0) averages pass@1
     save_every: int = 1
     keep_checkpoints: int = 2
     weight_sync_bucket_mb: int = 64
@@ -175,6 +176,11 @@ def validate(cfg: Config) -> None:
     for key in ("steps", "episodes_per_step", "micro_batch_tokens"):
         if getattr(cfg.trainer, key) < 1:
             problems.append(f"trainer.{key} must be >= 1")
+    if cfg.trainer.eval_samples < 1:
+        problems.append("trainer.eval_samples must be >= 1")
+    elif cfg.trainer.eval_samples > 1 and cfg.engine.eval_temperature <= 0:
+        problems.append(f"trainer.eval_samples={cfg.trainer.eval_samples} needs engine.eval_temperature > 0 "
+                        "(greedy samples of one task are the same episode)")
     if cfg.engine.num_workers < 1:
         problems.append("engine.num_workers must be >= 1")
     one_of("engine.device", cfg.engine.device.split(":")[0], ["auto", "cpu", "cuda"])

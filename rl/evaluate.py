@@ -3,6 +3,7 @@
     python -m rl.evaluate --model smollm2-135m-instruct                       # the base policy, held-out split
     python -m rl.evaluate --model outputs/coding_ppo/checkpoints/step_000004  # a training checkpoint
     python -m rl.evaluate --model DIR --tasks humaneval.jsonl --split all --out results.json
+    python -m rl.evaluate --model DIR --samples 8 -- engine.eval_temperature=0.7  # pass@1 over 8 samples a task
 
 Episodes run exactly as in training (same agent loop, guard, sandbox and grading), with the experiment's
 sampling settings (greedy by default, `engine.eval_temperature`). Extra Hydra overrides go after `--`.
@@ -60,13 +61,19 @@ async def run(worker: RolloutWorker, tasks, seed: int, concurrency: int):
 
 
 def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_tasks: int = 0,
-             seed: int = 0) -> dict:
+             seed: int = 0, samples: int = 1) -> dict:
+    """`samples` episodes per task (sampled at engine.eval_temperature, which must then be > 0): pass@1 is
+    the mean over all of them, `eval/tasks_solved` the share of tasks solved at least once."""
     task_set = load_tasks(tasks_source)
     tasks = task_set.tasks if split in (None, "all") else task_set.split(split)
     if max_tasks:
         tasks = tasks[:max_tasks]
     if not tasks:
         raise SystemExit(f"no tasks in {tasks_source} (split {split!r})")
+    if samples > 1 and cfg.engine.eval_temperature <= 0:
+        raise SystemExit(f"--samples {samples} needs engine.eval_temperature > 0 (greedy samples are identical): "
+                         "add `-- engine.eval_temperature=0.7`")
+    tasks = [t for t in tasks for _ in range(samples)]
     model_path = resolve_checkpoint(model)
     fleet = None
     if cfg.engine.type == "sglang":  # servers of this model (or the ones named in engine.sglang.urls)
@@ -102,15 +109,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--experiment", default="coding_ppo", help="experiment whose agent/sampling settings to use")
     p.add_argument("--max-tasks", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=1, help="episodes per task (needs engine.eval_temperature > 0)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     cfg = load_config(args.experiment, overrides)
     result = evaluate(args.model, cfg, args.tasks or cfg.env.tasks, args.split or cfg.env.eval_split,
-                      args.max_tasks, args.seed)
+                      args.max_tasks, args.seed, args.samples)
     m = result["metrics"]
     print(f"{args.model}: pass@1 {m['eval/pass_rate']:.3f}  mean reward {m['eval/reward_mean']:.3f}  "
           f"turns {m['eval/turns_mean']:.2f}  tokens {m['eval/episode_tokens_mean']:.0f}  "
-          f"({m['eval/episodes']} tasks, {m['eval/seconds']:.0f} s)")
+          f"solved {m['eval/tasks_solved']:.3f}  ({m['eval/episodes']} episodes, {m['eval/seconds']:.0f} s)")
     for row in result["per_task"]:
         print(f"  {row['task']:<40} reward {row['reward']:.2f}  {row['finish']}")
     if args.out:

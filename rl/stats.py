@@ -8,6 +8,13 @@ from statistics import mean
 from rollout.types import Trajectory
 
 
+def solved_share(trajs: list[Trajectory]) -> float:
+    solved: dict[str, bool] = {}
+    for t in trajs:
+        solved[t.task_id] = solved.get(t.task_id, False) or bool(t.passed)
+    return mean(solved.values()) if solved else 0.0
+
+
 def trajectory_metrics(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
     if not trajs:
         return {f"{prefix}/episodes": 0}
@@ -16,6 +23,8 @@ def trajectory_metrics(trajs: list[Trajectory], prefix: str) -> dict[str, float]
         f"{prefix}/episodes": len(trajs),
         f"{prefix}/reward_mean": mean(t.reward for t in graded) if graded else 0.0,
         f"{prefix}/pass_rate": mean(float(t.passed) for t in graded) if graded else 0.0,
+        # With several episodes per task (eval_samples, grouped rollouts): the share of tasks solved at least once.
+        f"{prefix}/tasks_solved": solved_share(graded),
         f"{prefix}/turns_mean": mean(t.num_turns for t in trajs),
         f"{prefix}/episode_tokens_mean": mean(t.num_tokens for t in trajs),
         f"{prefix}/action_tokens_mean": mean(t.num_action_tokens for t in trajs),

@@ -67,8 +67,10 @@ def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) 
 
 
 def evaluate(cfg: Config, w: Workers, tasks, step: int) -> dict:
+    """Held-out episodes, `trainer.eval_samples` per task: pass@1 is their mean (one greedy episode per task
+    when eval_samples = 1)."""
     started = time.perf_counter()
-    trajs = run_episodes(w, tasks, "eval", 10_000 + step, "eval")
+    trajs = run_episodes(w, [t for t in tasks for _ in range(cfg.trainer.eval_samples)], "eval", 10_000 + step, "eval")
     return {**trajectory_metrics(trajs, "eval"), "perf/eval_s": time.perf_counter() - started}
 
 

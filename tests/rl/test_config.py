@@ -54,8 +54,8 @@ def test_semantic_validation():
 
     validate(composed("+experiment=coding_ppo"))
     cfg = composed("+experiment=coding_ppo", "agent.compaction.reserve=10", "algorithm.kl_estimator=k7",
-                   "algorithm.dual_clip=0.5", "env.reward=vibes")
+                   "algorithm.dual_clip=0.5", "env.reward=vibes", "trainer.eval_samples=4")
     with pytest.raises(ValueError) as err:
         validate(cfg)
-    for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward"):
+    for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward", "trainer.eval_samples"):
         assert key in str(err.value)
