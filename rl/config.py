@@ -39,6 +39,9 @@ class EnvConfig:
     tasks: str = SHIPPED_TASKS  # JSONL / parquet file, saved dataset folder, or hub dataset name
     train_split: str = "train"
     eval_split: str = "heldout"
+    # Another task set (every record, one episode each, e.g. "humaneval") evaluated before the first and after
+    # the last step, logged under eval_extra/: transfer beyond the training distribution, same sampling.
+    extra_eval_tasks: str = ""
     sandbox: str = "bwrap"  # bwrap | docker
     reward: str = "pass_fraction"  # pass_fraction | binary
     grade_timeout_s: float = 60.0

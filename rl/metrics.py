@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 CURVES = [
-    ("rollout/reward_mean", "eval/reward_mean"), ("rollout/pass_rate", "eval/pass_rate"),
+    ("rollout/reward_mean", "eval/reward_mean"), ("rollout/pass_rate", "eval/pass_rate", "eval_extra/pass_rate"),
     ("actor/kl_ref", "actor/approx_kl"), ("critic/value_loss",), ("critic/explained_variance",),
     ("actor/entropy",), ("actor/clipfrac", "critic/value_clipfrac"), ("rollout/episode_tokens_mean",),
     ("rollout/guard_blocks", "rollout/compactions"), ("perf/step_s", "perf/rollout_s", "perf/train_s"),

@@ -66,12 +66,21 @@ def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) 
     return metrics
 
 
-def evaluate(cfg: Config, w: Workers, tasks, step: int) -> dict:
-    """Held-out episodes, `trainer.eval_samples` per task: pass@1 is their mean (one greedy episode per task
-    when eval_samples = 1)."""
+def evaluate(w: Workers, tasks, step: int, samples: int = 1, prefix: str = "eval") -> dict:
+    """`samples` episodes per task at the evaluation temperature: pass@1 is their mean (one greedy episode per
+    task when samples = 1)."""
     started = time.perf_counter()
-    trajs = run_episodes(w, [t for t in tasks for _ in range(cfg.trainer.eval_samples)], "eval", 10_000 + step, "eval")
-    return {**trajectory_metrics(trajs, "eval"), "perf/eval_s": time.perf_counter() - started}
+    trajs = run_episodes(w, [t for t in tasks for _ in range(samples)], "eval", 10_000 + step, prefix)
+    return {**trajectory_metrics(trajs, prefix), f"perf/{prefix}_s": time.perf_counter() - started}
+
+
+def evaluate_all(cfg: Config, w: Workers, eval_tasks, extra_tasks, step: int, with_extra: bool) -> dict:
+    """The held-out split (trainer.eval_samples a task) and, at the first and last step, env.extra_eval_tasks."""
+    m = evaluate(w, eval_tasks, step, cfg.trainer.eval_samples) if eval_tasks else {}
+    if with_extra and extra_tasks:
+        m.update(evaluate(w, extra_tasks, step, 1, "eval_extra"))
+    m["perf/eval_s"] = m.get("perf/eval_s", 0.0) + m.get("perf/eval_extra_s", 0.0)
+    return m
 
 
 def train(cfg: Config) -> dict:
@@ -86,6 +95,7 @@ def train(cfg: Config) -> dict:
     train_tasks, eval_tasks = task_set.split(cfg.env.train_split), task_set.split(cfg.env.eval_split)
     if cfg.trainer.eval_max_tasks:
         eval_tasks = eval_tasks[:cfg.trainer.eval_max_tasks]
+    extra_tasks = load_tasks(cfg.env.extra_eval_tasks).tasks if cfg.env.extra_eval_tasks else []
     sampler = TaskSampler(train_tasks, cfg.seed)
     policy = str(resolve_model_path(cfg.model.name))
     critic = str(resolve_model_path(cfg.model.critic or cfg.model.name))
@@ -110,18 +120,18 @@ def train(cfg: Config) -> dict:
     final: dict = {}
     eval_s = 0.0  # the last evaluation's duration, for the time limit
     with open(run_dir / "guard_audit.jsonl", "a") as audit:
-        if cfg.trainer.eval_at_start and start == 0 and eval_tasks:
-            final = evaluate(cfg, w, eval_tasks, 0)
+        if cfg.trainer.eval_at_start and start == 0 and (eval_tasks or extra_tasks):
+            final = evaluate_all(cfg, w, eval_tasks, extra_tasks, 0, with_extra=True)
             eval_s = final["perf/eval_s"]
             logger.log(0, final)
-            log.info("step 0 | held-out pass@1 %.3f reward %.3f", final["eval/pass_rate"], final["eval/reward_mean"])
+            log.info(step_line(0, final))
         for step in range(start, cfg.trainer.steps):
             timer = Timer()
             metrics = train_step(cfg, w, sampler, step, audit)
             last = step + 1 == cfg.trainer.steps
-            if eval_tasks and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
-                metrics.update(evaluate(cfg, w, eval_tasks, step + 1))
-                eval_s = metrics["perf/eval_s"]
+            if (eval_tasks or extra_tasks) and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
+                metrics.update(evaluate_all(cfg, w, eval_tasks, extra_tasks, step + 1, with_extra=last))
+                eval_s = max(eval_s, metrics["perf/eval_s"])
             # Stop when one more step like this one (plus the final evaluation, if the next step is the last)
             # would end past the limit: a job slot, a preemptible node.
             limit = cfg.trainer.time_limit_s
@@ -166,12 +176,16 @@ class Timer:
 
 
 def step_line(step: int, m: dict) -> str:
-    parts = [f"step {step}", f"reward {m.get('rollout/reward_mean', 0):.3f}",
-             f"pass {m.get('rollout/pass_rate', 0):.2f}", f"blocks {m.get('rollout/guard_blocks', 0)}",
-             f"compactions {m.get('rollout/compactions', 0)}"]
+    parts = [f"step {step}"]
+    if "rollout/reward_mean" in m:
+        parts += [f"reward {m['rollout/reward_mean']:.3f}", f"pass {m.get('rollout/pass_rate', 0):.2f}",
+                  f"blocks {m.get('rollout/guard_blocks', 0)}", f"compactions {m.get('rollout/compactions', 0)}"]
     if "eval/pass_rate" in m:
-        parts.append(f"held-out pass@1 {m['eval/pass_rate']:.3f}")
-    parts.append(f"{m.get('perf/step_s', 0):.0f}s")
+        parts.append(f"held-out pass@1 {m['eval/pass_rate']:.3f} reward {m['eval/reward_mean']:.3f}")
+    if "eval_extra/pass_rate" in m:
+        parts.append(f"extra pass@1 {m['eval_extra/pass_rate']:.3f}")
+    if "perf/step_s" in m:
+        parts.append(f"{m['perf/step_s']:.0f}s")
     return " | ".join(parts)
 
 

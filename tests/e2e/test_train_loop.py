@@ -82,9 +82,14 @@ def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
+    from environments.tasks import SHIPPED_TASKS
+
+    extra = tmp_path / "extra.jsonl"  # a one-task extra evaluation set
+    extra.write_text(Path(SHIPPED_TASKS).read_text().splitlines()[0] + "\n")
     args = [sys.executable, "-m", "rl.train", "+experiment=coding_ppo_tiny", f"model.name={scripted_policy}",
             f"output_dir={tmp_path}", "trainer.steps=3", "trainer.eval_at_start=false", "logging.wandb_mode=disabled",
-            "trainer.eval_samples=2", "engine.eval_temperature=0.7"]
+            "trainer.eval_samples=2", "engine.eval_temperature=0.7",
+            f"env.extra_eval_tasks={extra}"]
     run = tmp_path / "coding_ppo_tiny"
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -114,6 +119,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
     assert "resumed from" in done.stdout + done.stderr
     records = read_metrics(run / "metrics.jsonl")
     assert records[-1]["eval/episodes"] == 4  # the final evaluation: 2 held-out tasks x 2 samples
+    assert records[-1]["eval_extra/episodes"] == 1  # and every record of the extra set, once
     steps = [r["step"] for r in records]
     assert steps == [1, 2, 3]  # each step once: none lost at the checkpoint, none repeated after it
     assert json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["step"] == 3
