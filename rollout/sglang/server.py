@@ -87,10 +87,16 @@ class ManagedProcess:
         self.log_path = Path(log_dir or os.environ.get("RL_SGLANG_LOG_DIR", "/tmp")) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self._advertised: str | None = None  # `advertised_host(host)`, resolved on first use of `url`
 
     @property
     def url(self) -> str:
-        return f"http://{advertised_host(self.host)}:{self.port}"
+        """Resolved once and kept: the health polls read `url` every half second, and each resolution of a
+        0.0.0.0 host asks Ray for the node IP. Lazily rather than in `__init__`, so that the lookup happens when
+        it always did (at start, inside the Ray actor or after `ray.init`), whatever Ray's state at construction."""
+        if self._advertised is None:
+            self._advertised = advertised_host(self.host)
+        return f"http://{self._advertised}:{self.port}"
 
     def command_line(self, **overrides) -> list[str]:
         raise NotImplementedError
