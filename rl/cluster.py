@@ -12,6 +12,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from tqdm import tqdm
@@ -25,6 +26,9 @@ from rollout.sglang.fleet import SGLangFleet
 from rollout.types import Trajectory
 from rollout.worker import RolloutWorker
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -36,6 +40,7 @@ class Workers:
     fleet: SGLangFleet | None = None  # engine.type=sglang: the servers the rollout workers talk to
     weight_sync_dir: str = ""
     weight_version: int = 0  # what the engines serve
+    served_dtype: torch.dtype | None = None  # the fleet's weight dtype (sglang_served_dtype), for verify_weight_sync
 
 
 def start_ray(cfg: Config) -> None:
@@ -79,7 +84,25 @@ def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Wo
         for i in range(cfg.engine.num_workers)]
     ray.get([h.__ray_ready__.remote() for h in (actor, critic_worker, *rollout) if h is not None])
     sync_dir = cfg.engine.sglang.weight_sync_dir or (f"{run_dir}/weights" if run_dir else "/tmp/agentic-rl-weights")
-    return Workers(actor, critic_worker, rollout, fleet, sync_dir)
+    return Workers(actor, critic_worker, rollout, fleet, sync_dir,
+                   served_dtype=sglang_served_dtype(fleet) if fleet else None)
+
+
+def sglang_served_dtype(fleet: SGLangFleet) -> torch.dtype:
+    """The dtype the servers keep their weights in: the `dtype` server argument, or under `auto` (SGLang's default)
+    the checkpoint's `torch_dtype`. Resolved once when the fleet starts, not on every verified sync: neither the
+    servers' arguments nor the checkpoint's config.json change during a run."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
+    served = str(fleet.cfg.args.get("dtype", "auto"))
+    if served == "auto":  # SGLang serves the checkpoint's dtype
+        config = Path(fleet.model_path) / "config.json"
+        served = json.loads(config.read_text()).get("torch_dtype", "float32") if config.exists() else "float32"
+    return dtypes.get(str(served), torch.float32)
 
 
 def rollout_worker_kwargs(cfg: Config) -> dict:
@@ -171,15 +194,7 @@ def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int
     from rollout.sglang.client import SGLangClient, SGLangError
 
     state = ray.get(workers.actor.gathered_state.remote())
-    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
-    served = str(workers.fleet.cfg.args.get("dtype", "auto"))
-    if served == "auto":  # SGLang serves the checkpoint's dtype
-        import json
-        from pathlib import Path
-
-        config = Path(workers.fleet.model_path) / "config.json"
-        served = json.loads(config.read_text()).get("torch_dtype", "float32") if config.exists() else "float32"
-    served_dtype = dtypes.get(str(served), torch.float32)
+    served_dtype = workers.served_dtype
     names = [n for n in state if state[n].dim() <= 2]
     picks = [names[int(i * (len(names) - 1) / max(names_per_server - 1, 1))] for i in range(names_per_server)]
 
