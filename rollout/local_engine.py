@@ -146,7 +146,11 @@ class LocalEngine:
 
     def speculative_metrics(self) -> dict:
         """Speculative decoding counters since the last call: verify rounds summed over rows, and drafts emitted
-        (rl.cluster.engine_metrics turns them into the acceptance length). Empty when it is off."""
+        (rl.cluster.engine_metrics turns them into the acceptance length). Empty when it is off.
+
+        Deltas against what was last reported, not reset on read like the guard's counters: `stats` stays
+        cumulative because `health()` publishes it whole, and the serving thread adds to it while this runs on
+        the caller's thread, so a read-then-zero would drop a batch that finished in between."""
         if not self.speculative_steps:
             return {}
         rounds = self.stats.get("speculative_rounds", 0) - self._spec_seen[0]
@@ -281,6 +285,21 @@ class LocalEngine:
         return processed_logprobs(logits, b.temperature.repeat_interleave(rep), b.top_k.repeat_interleave(rep),
                                   b.top_p.repeat_interleave(rep))
 
+    def _sample_and_emit(self, b: _Batch, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row from its last-position logits [n, V], emitted; returns the tokens [n]."""
+        tokens, token_lp = sample(self._process(b, logits), b.greedy, b.generators)
+        for i, (tok, lp) in enumerate(zip(tokens.tolist(), token_lp.tolist())):  # one host sync per step
+            self._emit(b, i, tok, lp)
+        return tokens
+
+    def _prefill(self, b: _Batch, cache):
+        """The prompts into `cache` and each row's first token sampled and emitted, the opening that plain and
+        speculative decoding share. Returns the model's output (the speculative path reads its hidden states) and
+        the tokens [n]."""
+        out = self.model(input_ids=b.ids, attention_mask=b.mask, position_ids=b.positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: cache})
+        return out, self._sample_and_emit(b, out.logits[:, -1].float())
+
     @torch.inference_mode()
     def _run_batch(self, batch: list[_Request]) -> list[GenerateResult]:
         if self.speculative_steps:
@@ -288,52 +307,45 @@ class LocalEngine:
         from transformers import DynamicCache
 
         b = self._prepare(batch)
-        mask = b.mask
-        cache = {self._cache_kwarg: DynamicCache()}
-        logits = self.model(input_ids=b.ids, attention_mask=mask, position_ids=b.positions, use_cache=True,
-                            logits_to_keep=1, **cache).logits[:, -1].float()
-        next_pos = b.positions[:, -1:] + 1
+        cache = DynamicCache()
+        _, tokens = self._prefill(b, cache)
+        mask, next_pos = b.mask, b.positions[:, -1:] + 1
         while not b.done:
-            tokens, token_lp = sample(self._process(b, logits), b.greedy, b.generators)
-            for i, (tok, lp) in enumerate(zip(tokens.tolist(), token_lp.tolist())):  # one host sync per step
-                self._emit(b, i, tok, lp)
-            if b.done:
-                break
             mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=mask.device)], dim=1)
             logits = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
-                                use_cache=True, **cache).logits[:, -1].float()
+                                use_cache=True, **{self._cache_kwarg: cache}).logits[:, -1].float()
             next_pos = next_pos + 1
+            tokens = self._sample_and_emit(b, logits)
         return self._results(b)
 
     @torch.inference_mode()
     def _run_batch_speculative(self, batch: list[_Request]) -> list[GenerateResult]:
         """Draft k tokens per row with the model's MTP layer, verify them in one forward (models/glm5/
         speculative.py has the round; rollout/sampling.verify_drafts the acceptance rule, exact in distribution)."""
+        from models.glm5 import Glm5Cache
+
         k, drafter, b = self.speculative_steps, self._drafter, self._prepare(batch)
         n, rows = len(batch), torch.arange(len(batch), device=self.device)
-        cache = drafter.new_cache()
+        cache = Glm5Cache()
         mask = b.mask
 
         def draft_sample(logits):
             logq = self._process(b, logits)
             return sample(logq, b.greedy, b.generators)[0], logq
 
-        out = self.model(input_ids=b.ids, attention_mask=mask, position_ids=b.positions, cache=cache,
-                         use_cache=True, logits_to_keep=1)
-        token, token_lp = sample(self._process(b, out.logits[:, -1].float()), b.greedy, b.generators)
-        for i, (tok, lp) in enumerate(zip(token.tolist(), token_lp.tolist())):
-            self._emit(b, i, tok, lp)
+        out, token = self._prefill(b, cache)
         # MTP step 1 over the prompt: anchor i sees the token after it (the last one: the token just sampled)
         h1, selection = drafter.extend(cache, out.last_hidden_state, torch.cat([b.ids[:, 1:], token[:, None]], 1),
                                        b.positions, mask)
         width = b.ids.shape[1]
-        offset = torch.full((n,), width - 1, device=self.device)
-        anchor, pos = offset.clone(), b.positions[:, -1]
+        offset, pos = torch.full((n,), width - 1, device=self.device), b.positions[:, -1]
         row_rounds, row_accepted = [0] * n, [0] * n  # verify rounds a row took part in; its drafts emitted
         while not b.done:
-            drafts, logq = drafter.draft(cache, h1[rows, offset].unsqueeze(1), selection, offset, anchor, pos, mask,
-                                         k, draft_sample)
-            past = cache.get_seq_length()
+            past = cache.get_seq_length()  # drafting reads the cache, never appends to it
+            # h1 covers the cache's newest h1.shape[1] slots and `offset` is the row's last real anchor among them,
+            # so its cache slot (the draft's causal bound) is past − h1.shape[1] + offset
+            drafts, logq = drafter.draft(cache, h1[rows, offset].unsqueeze(1), selection, offset,
+                                         past - h1.shape[1] + offset, pos, mask, k, draft_sample)
             verify_pos = (pos + 1).unsqueeze(1) + torch.arange(k + 1, device=self.device)
             mask = torch.cat([mask, torch.ones((n, k + 1), dtype=mask.dtype, device=mask.device)], dim=1)
             out = self.model(input_ids=torch.cat([token[:, None], drafts], 1), attention_mask=mask,
@@ -357,7 +369,7 @@ class LocalEngine:
             after = torch.cat([drafts, drafts[:, -1:]], 1)  # the token after each new slot: next draft or b
             after[rows, kept_t] = token
             h1, selection = drafter.extend(cache, out.last_hidden_state, after, verify_pos, mask)
-            offset, anchor, pos = kept_t, past + kept_t, pos + 1 + kept_t
+            offset, pos = kept_t, pos + 1 + kept_t
         self.stats["speculative_rounds"] = self.stats.get("speculative_rounds", 0) + sum(row_rounds)
         self.stats["speculative_accepted"] = self.stats.get("speculative_accepted", 0) + sum(row_accepted)
         results = self._results(b)

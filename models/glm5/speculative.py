@@ -36,9 +36,6 @@ class MTPDrafter:
         self.layers = list(backbone.layers[n:])
         self.index_offset = len(backbone.layers)
 
-    def new_cache(self) -> Glm5Cache:
-        return Glm5Cache()
-
     def _ctx(self, positions, query_index, key_mask, cache) -> AttnContext:
         cos, sin = rope_angles(positions, self.config.qk_rope_head_dim, self.config.rope_theta)
         mask = None if key_mask is None or bool(key_mask.all()) else key_mask.bool()
