@@ -54,7 +54,8 @@ def train_rank(rank: int, world: int, port: int, args, out: str) -> None:
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    if not cuda:  # a CPU run on a GPU machine: gloo, not NCCL
+    if not cuda:  # a CPU run on a GPU machine: hidden GPUs make both init_distributed (gloo) and DeepSpeed's
+        # accelerator (where it places the model and the ZeRO-3 partitions) choose the CPU
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     init_distributed(DistEnv(rank=rank, world_size=world, local_rank=rank, master_port=port))
     dist = torch.distributed
