@@ -1,9 +1,11 @@
 """What a sandbox costs per tool call, and how many calls per second many sandboxes serve together.
 
-    python bench/sandbox.py [--calls 200] [--concurrency 16 64] [--per-sandbox 10] [--backends bwrap docker]
+    python bench/sandbox.py [--calls 200] [--concurrency 16 64] [--per-sandbox 10]
+                            [--backends bwrap bwrap-per-call docker]
 
 1. Per-call overhead: the same trivial command (`true`, through a shell) run `--calls` times as a plain
-   subprocess, as a bubblewrap `exec` and as a Docker `exec` (one warm sandbox each); median and p90 wall time,
+   subprocess, as a bubblewrap `exec` (`bwrap`: the resident executor, the default as root; `bwrap-per-call`: a
+   new bwrap for each call) and as a Docker `exec` (one warm sandbox each); median and p90 wall time,
    and each backend's ratio to the plain subprocess. Also the start-up of a sandbox (make, first call, close).
 2. Throughput: 16 and 64 sandboxes created first (not timed), then one thread per sandbox running
    `--per-sandbox` calls back to back, all at once; calls per second over the wall time of the whole batch.
@@ -29,6 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from environments import make_sandbox  # noqa: E402
 
 COMMAND = "true"
+KINDS = {"bwrap": ("bwrap", {}), "bwrap-per-call": ("bwrap", {"resident": False}), "docker": ("docker", {})}
+
+
+def new_sandbox(kind: str):
+    backend, options = KINDS[kind]
+    return make_sandbox(backend, **options)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -59,7 +67,7 @@ def sandbox_call(box):
 
 def startup(backend: str, n: int) -> list[float]:
     def once():
-        with make_sandbox(backend) as box:
+        with new_sandbox(backend) as box:
             box.exec(COMMAND)
     return timed(once, n)
 
@@ -70,7 +78,7 @@ def throughput(backend: str, sandboxes: int, per_sandbox: int) -> float:
         boxes = [None] * sandboxes
     else:
         with ThreadPoolExecutor(8) as pool:
-            boxes = list(pool.map(lambda _: make_sandbox(backend), range(sandboxes)))
+            boxes = list(pool.map(lambda _: new_sandbox(backend), range(sandboxes)))
         with ThreadPoolExecutor(8) as pool:  # start containers (Docker starts on the first call), untimed
             list(pool.map(lambda b: b.exec(COMMAND), boxes))
     errors: list[BaseException] = []
@@ -109,7 +117,7 @@ def available(backend: str) -> str | None:
         ok, why = docker_available()
         return None if ok else why
     try:
-        with make_sandbox(backend) as box:
+        with new_sandbox(backend) as box:
             box.exec(COMMAND)
     except Exception as exc:
         return repr(exc)
@@ -122,7 +130,7 @@ def main():
     p.add_argument("--startups", type=int, default=10, help="sandboxes made and closed for the start-up time")
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     p.add_argument("--per-sandbox", type=int, default=10, help="calls per sandbox in the throughput runs")
-    p.add_argument("--backends", nargs="+", default=["bwrap", "docker"], choices=["bwrap", "docker"])
+    p.add_argument("--backends", nargs="+", default=list(KINDS), choices=list(KINDS))
     args = p.parse_args()
 
     missing = {b: available(b) for b in args.backends}
@@ -136,7 +144,7 @@ def main():
     latency = {"plain": timed(plain_call, args.calls)}
     starts = {}
     for b in backends:
-        with make_sandbox(b) as box:
+        with new_sandbox(b) as box:
             call = sandbox_call(box)
             call()  # warm: Docker starts its container on the first call
             latency[b] = timed(call, args.calls)
@@ -151,10 +159,10 @@ def main():
               f"            {start}")
 
     print(f"\nthroughput, calls/s ({args.per_sandbox} calls per sandbox, all sandboxes at once)")
-    print(f"{'sandboxes':<12}" + "".join(f"{name:>12}" for name in ["plain", *backends]))
+    print(f"{'sandboxes':<12}" + "".join(f"{name:>16}" for name in ["plain", *backends]))
     for n in args.concurrency:
         row = [throughput(name, n, args.per_sandbox) for name in ["plain", *backends]]
-        print(f"{n:<12}" + "".join(f"{v:12.1f}" for v in row))
+        print(f"{n:<12}" + "".join(f"{v:16.1f}" for v in row))
 
 
 if __name__ == "__main__":

@@ -48,13 +48,23 @@ def backend(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=["bwrap", "bwrap-per-call", "docker"])
+def sandbox_kind(request) -> str:
+    """The backends, and bwrap both ways: its resident executor (the default as root) and a bwrap per call."""
+    if request.param == "docker":
+        request.getfixturevalue("docker_engine")
+    return request.param
+
+
 @pytest.fixture
-def make(backend):
-    """make(**limits) → a sandbox of the test's backend, closed at the end of the test."""
+def make(sandbox_kind):
+    """make(**limits) → a sandbox of the test's kind, closed at the end of the test."""
     made = []
+    backend, options = (("bwrap", {"resident": False}) if sandbox_kind == "bwrap-per-call"
+                        else (sandbox_kind, {}))
 
     def factory(**limits):
-        box = make_sandbox(backend, **limits)
+        box = make_sandbox(backend, **options, **limits)
         made.append(box)
         return box
 

@@ -64,3 +64,24 @@ def test_unknown_backend_and_limits():
         make_sandbox("docker", workspace_mb="big")
     with pytest.raises(ValueError, match="image"):
         make_sandbox("docker", image="")
+
+
+def test_resident_executor_recovers_when_killed(tmp_path):
+    """The resident bwrap executor killed from outside mid-call (as root, where it runs): the call returns a
+    failure at once instead of hanging, and the next call gets a fresh sandbox with the same workspace."""
+    import threading
+    import time
+
+    from environments import make_sandbox
+
+    with make_sandbox("bwrap", timeout_s=30) as box:
+        if not box.resident:
+            pytest.skip("the resident executor needs root")
+        box.write_file("kept.txt", "still here\n")
+        doomed = box._executor
+        threading.Timer(1.0, doomed.kill).start()  # bwrap itself: its namespace and the executor go with it
+        started = time.monotonic()
+        r = box.exec("sleep 20; echo never")
+        assert r.exit_code != 0 and "never" not in r.stdout and time.monotonic() - started < 15, r
+        assert box.exec("cat kept.txt").stdout == "still here\n"
+        assert box._executor is not doomed
