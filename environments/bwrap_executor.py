@@ -46,7 +46,7 @@ def kill_all(deadline_s: float = 3.0) -> None:
         time.sleep(0.001)
 
 
-def run(request: dict, uid: int, limits: dict, io: str, prctl) -> dict:
+def run(request: dict, uid: int, limits: dict, io: str, prctl, control: int) -> dict:
     argv = request["argv"]
     fds = [os.open(f"{io}/stdin" if request.get("stdin") else "/dev/null", os.O_RDONLY),
            os.open(f"{io}/stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600),
@@ -75,12 +75,18 @@ def run(request: dict, uid: int, limits: dict, io: str, prctl) -> dict:
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
-    timed_out = not select.select([pidfd], [], [], max(float(request["timeout"]), 0.0))[0]
+    # The host sends nothing while a call runs: the control pipe turning readable means it closed (the host is
+    # gone), and the call ends now rather than at its timeout.
+    ready = select.select([pidfd, control], [], [], max(float(request["timeout"]), 0.0))[0]
     os.close(pidfd)
-    if timed_out:
+    host_gone = control in ready
+    timed_out = not ready
+    if timed_out or host_gone:
         os.kill(-1, signal.SIGKILL)  # the command and all it started; then reap the command before counting
     _, status = os.waitpid(pid, 0)
     kill_all()  # orphans and daemons of this call (a zombie still counts as signalable until init reaps it)
+    if host_gone:
+        sys.exit(0)
     return {"status": status, "timed_out": timed_out}
 
 
@@ -91,7 +97,7 @@ def main() -> None:
     control_out.write('{"ready": true}\n')
     control_out.flush()
     for line in control_in:
-        reply = run(json.loads(line), config["uid"], config["limits"], config["io"], prctl)
+        reply = run(json.loads(line), config["uid"], config["limits"], config["io"], prctl, control_in.fileno())
         control_out.write(json.dumps(reply) + "\n")
         control_out.flush()
     kill_all()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import json
 import os
 import resource
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -301,15 +303,21 @@ class BwrapSandbox(Sandbox):
             cmd += ["--cap-add", cap]
         cmd += [os.path.join(self._python_bin, "python3"), "-I", "-S", "/.sandbox-executor", json.dumps(config)]
         with open(self._io / "executor.log", "ab") as log:
-            self._executor = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                              start_new_session=True)
+            # Started from one long-lived thread: bwrap's --die-with-parent follows the *thread* that started it,
+            # and a sandbox outlives the pool thread that made it. So the sandbox dies with this process (or
+            # when bwrap is killed), never with a thread.
+            self._executor = _spawner().submit(subprocess.Popen, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               stderr=log, start_new_session=True).result()
         self._executor_ready = False
         self._pending = b""
 
     def _stop_executor(self) -> None:
         proc, self._executor = self._executor, None
-        if proc is not None and proc.poll() is None:
-            _kill_group(proc)
+        if proc is not None:
+            if proc.poll() is None:
+                _kill_group(proc)  # bwrap: with it (--die-with-parent) the namespace's init and all inside
+            proc.stdin.close()
+            proc.stdout.close()
 
     def _reply(self, deadline: float) -> dict | None:
         """The executor's next JSON line, or None if it died or said nothing before `deadline`. Read from the
@@ -422,6 +430,12 @@ class BwrapSandbox(Sandbox):
             self.close()
         except Exception:
             pass
+
+
+@functools.lru_cache(maxsize=1)
+def _spawner() -> ThreadPoolExecutor:
+    """The thread that starts the resident sandboxes' bwrap processes; it lives as long as the process."""
+    return ThreadPoolExecutor(1, thread_name_prefix="bwrap-spawner")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -69,19 +69,30 @@ def test_unknown_backend_and_limits():
 def test_resident_executor_recovers_when_killed(tmp_path):
     """The resident bwrap executor killed from outside mid-call (as root, where it runs): the call returns a
     failure at once instead of hanging, and the next call gets a fresh sandbox with the same workspace."""
+    import os
+    import signal
     import threading
     import time
-
-    from environments import make_sandbox
 
     with make_sandbox("bwrap", timeout_s=30) as box:
         if not box.resident:
             pytest.skip("the resident executor needs root")
         box.write_file("kept.txt", "still here\n")
-        doomed = box._executor
-        threading.Timer(1.0, doomed.kill).start()  # bwrap itself: its namespace and the executor go with it
+        doomed = box._executor  # bwrap and its namespace's init: the executor and the command go with them
+        threading.Timer(1.0, lambda: os.killpg(doomed.pid, signal.SIGKILL)).start()
         started = time.monotonic()
         r = box.exec("sleep 20; echo never")
         assert r.exit_code != 0 and "never" not in r.stdout and time.monotonic() - started < 15, r
         assert box.exec("cat kept.txt").stdout == "still here\n"
         assert box._executor is not doomed
+
+
+def test_a_sandbox_outlives_the_thread_that_made_it(make):
+    """Sandboxes are made in pool threads and used from others (the rollout worker does): the thread's end must
+    not take the sandbox with it (bwrap's --die-with-parent follows the thread, not the process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        boxes = list(pool.map(lambda _: make(), range(2)))
+    for box in boxes:
+        assert box.exec("echo alive").stdout == "alive\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import socket
 import subprocess
 import threading
@@ -222,3 +223,28 @@ def test_concurrent_sandboxes_cannot_see_each_other(make):
     a.write_file("secret.txt", "x")
     assert b.exec("ls -A /workspace").stdout.strip() == ""
     assert b.exec(f"cat {a.workspace}/secret.txt").exit_code != 0
+
+
+HOST_SCRIPT = """
+import sys
+from environments import make_sandbox
+kind, marker = sys.argv[1], sys.argv[2]
+box = make_sandbox("bwrap", resident=kind == "bwrap")
+box.exec(f"sleep {marker}", timeout=60)
+"""
+
+
+def test_the_sandbox_dies_with_the_host_process(sandbox_kind):
+    """The process that owns a sandbox is killed mid-call: nothing it ran in the sandbox lives on."""
+    if sandbox_kind == "docker":
+        pytest.skip("a Docker container belongs to the engine, not to the process that started it")
+    marker = _marker()
+    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, sandbox_kind, marker],
+                            cwd=str(Path(__file__).resolve().parents[2]))
+    deadline = time.monotonic() + 30
+    while not _host_pids(marker):
+        assert host.poll() is None and time.monotonic() < deadline, "the sandboxed command never started"
+        time.sleep(0.1)
+    host.kill()
+    host.wait()
+    assert _wait_gone(marker, 10.0) == []
