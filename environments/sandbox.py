@@ -209,7 +209,7 @@ class BwrapSandbox(Sandbox):
         self._root = Path(tempfile.mkdtemp(prefix="sbx-", dir=SANDBOX_ROOT))
         self.workspace = self._root / "workspace"
         self.workspace.mkdir()
-        self._io = self._root / "io"  # host-side capture files, never visible inside
+        self._io = self._root / "io"  # capture files: the host's; inside, only the resident executor's (root)
         self._io.mkdir()
         self._lease = _UidLease() if self._as_root else None
         self._tmp_bytes = tmp_mb * 1024 * 1024
@@ -240,7 +240,8 @@ class BwrapSandbox(Sandbox):
         if self._lease and writable:
             os.chown(host, self._lease.uid, self._lease.uid)
         self.extra_binds.append((Path(host), inside, writable))
-        self._stop_executor()
+        with self._lock:
+            self._stop_executor()
 
     def _command(self, argv: list[str]) -> list[str]:
         """One bwrap per call: the namespaces, then the rlimits and the uid switch by helper programs."""
