@@ -44,7 +44,9 @@ class GuardStats:
     blocked: int = 0
     judged: int = 0
     judge_failures: int = 0
-    rules_latencies: list[float] = field(default_factory=list)
+    rules_latencies: list[float] = field(default_factory=list)  # wall clock
+    # CPU time of this thread: the rules' own cost, without what the event loop's neighbours or the scheduler add
+    rules_cpu: list[float] = field(default_factory=list)
     judge_latencies: list[float] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
@@ -53,6 +55,8 @@ class GuardStats:
                 "guard/judge_rate": self.judged / n, "guard/judge_failures": self.judge_failures,
                 "guard/rules_latency_p50_ms": 1000 * _percentile(self.rules_latencies, 0.5),
                 "guard/rules_latency_p99_ms": 1000 * _percentile(self.rules_latencies, 0.99),
+                "guard/rules_cpu_p50_ms": 1000 * _percentile(self.rules_cpu, 0.5),
+                "guard/rules_cpu_p99_ms": 1000 * _percentile(self.rules_cpu, 0.99),
                 "guard/judge_latency_p50_ms": 1000 * _percentile(self.judge_latencies, 0.5),
                 "guard/judge_latency_p99_ms": 1000 * _percentile(self.judge_latencies, 0.99)}
 
@@ -79,13 +83,14 @@ class Guard:
 
     async def acheck(self, call: ToolCall, context: GuardContext) -> Verdict:
         """Decide one call before it runs (stage 1, then stage 2 when a flagged call needs it)."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         if not self.enabled:
             verdict = Verdict("allow")
             facts = None
         else:
             hits, facts = self.rule_hits(call, context)
             rules_done = time.perf_counter()
+            self.stats.rules_cpu.append(time.thread_time() - cpu_started)
             verdict = self._rules_verdict(hits)
             verdict.rules_latency = rules_done - started
             self.stats.rules_latencies.append(verdict.rules_latency)

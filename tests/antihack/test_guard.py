@@ -97,6 +97,10 @@ def test_stats_history_exceptions_and_off_switch():
     assert len(ctx.history) == 2
     metrics = guard.stats.as_metrics()
     assert metrics["guard/calls"] == 2 and metrics["guard/block_rate"] == 0.5
+    # the rule stage's CPU time per call next to its wall time: one thread's CPU time cannot exceed its wall time
+    assert len(guard.stats.rules_cpu) == len(guard.stats.rules_latencies) == 2
+    assert all(0 <= cpu <= wall + 1e-3 for cpu, wall in zip(guard.stats.rules_cpu, guard.stats.rules_latencies))
+    assert 0 < metrics["guard/rules_cpu_p99_ms"] <= metrics["guard/rules_latency_p99_ms"] + 1
     off = Guard(enabled=False)
     assert off.check(bash("rm tests/test_visible.py"), context()).action == "allow"
     with pytest.raises(ValueError):
