@@ -95,21 +95,20 @@ def measured_peak_tflops(device: str) -> float:
     return 2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12
 
 
-def build(side: str, cfg: Glm5Config, device: str, checkpointing: bool):
+def build(side: str, cfg: Glm5Config, device: str):
+    """The model, created on `device` (initialised there: a 1B model's CPU init would take longer than the run)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if side == "ours":
-        model = build_random(cfg, seed=0, randomise=False)
-    else:
-        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    with torch.device(device):
+        if side == "ours":
+            model = build_random(cfg, seed=0, randomise=False)
+        else:
+            from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-        torch.manual_seed(0)
-        hf_cfg = GlmMoeDsaConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures",)})
-        hf_cfg._attn_implementation = "eager"
-        model = GlmMoeDsaForCausalLM(hf_cfg)
-    model = model.to(device=device, dtype=dtype).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    return model
+            torch.manual_seed(0)
+            hf_cfg = GlmMoeDsaConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
+            hf_cfg._attn_implementation = "eager"
+            model = GlmMoeDsaForCausalLM(hf_cfg)
+    return model.to(dtype=dtype).train()
 
 
 def step(side: str, model, ids: torch.Tensor) -> None:
@@ -121,14 +120,15 @@ def step(side: str, model, ids: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def measure(side: str, cfg: Glm5Config, seq: int, args) -> dict:
-    """tokens/s and peak GiB of `--steps` fwd+bwd steps after one warm-up; {'oom': True} when it does not fit."""
+def measure(side: str, model, seq: int, args) -> dict:
+    """tokens/s and peak GiB of `--steps` fwd+bwd steps after one warm-up; {'oom': True} when it does not fit
+    (with `--checkpointing auto`, after a second try with gradient checkpointing)."""
     modes = {"off": [False], "on": [True], "auto": [False, True]}[args.checkpointing]
+    vocab = model.config.vocab_size
     for ckpt in modes:
-        model = None
+        (model.gradient_checkpointing_enable if ckpt else model.gradient_checkpointing_disable)()
         try:
-            model = build(side, cfg, args.device, ckpt)
-            ids = torch.randint(0, cfg.vocab_size, (1, seq), device=args.device,
+            ids = torch.randint(0, vocab, (1, seq), device=args.device,
                                 generator=torch.Generator(args.device).manual_seed(seq))
             if args.device == "cuda":
                 torch.cuda.empty_cache()
@@ -146,12 +146,21 @@ def measure(side: str, cfg: Glm5Config, seq: int, args) -> dict:
             peak = torch.cuda.max_memory_allocated() / 2 ** 30 if args.device == "cuda" else float("nan")
             return {"tokens_per_s": seq / statistics.median(times), "peak_gib": peak, "checkpointing": ckpt}
         except torch.OutOfMemoryError:
-            pass
-        finally:
-            del model
+            model.zero_grad(set_to_none=True)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     return {"oom": True, "checkpointing": modes[-1]}
+
+
+def run_side(side: str, cfg: Glm5Config, args) -> list[dict]:
+    """Every length on one model (one model on the GPU at a time, so each side's peak memory is its own)."""
+    model = build(side, cfg, args.device)
+    try:
+        return [measure(side, model, seq, args) for seq in args.seqs]
+    finally:
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -169,22 +178,24 @@ def main() -> None:
     args = p.parse_args()
 
     cfg = model_config(args)
-    n_params = sum(p.numel() for p in build_random(cfg, randomise=False).parameters())
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build_random(cfg, randomise=False).parameters())
     peak = measured_peak_tflops(args.device)
     sides = [args.only] if args.only else ["ours", "transformers"]
     print(f"config {args.config}: {n_params / 1e6:.0f}M parameters, {cfg.num_hidden_layers} layers "
           f"({sum(k == 'full' for k in cfg.indexer_types)} with an indexer), {cfg.n_routed_experts} experts "
           f"top-{cfg.num_experts_per_tok}, top-k {cfg.index_topk}; {args.device}, measured bf16 peak {peak:.0f} TFLOP/s")
+    runs = {side: run_side(side, cfg, args) for side in sides}
+    if args.index_share:
+        every = model_config(args, index_topk_freq=1, index_skip_topk_offset=0, indexer_types=None)
+        runs["ours_indexer_every_layer"] = run_side("ours", every, args)
     rows = []
-    for seq in args.seqs:
+    for i, seq in enumerate(args.seqs):
         row = {"seq": seq, "flops_per_token": train_flops_per_token(cfg, seq)}
-        for side in sides:
-            row[side] = measure(side, cfg, seq, args)
-            if "tokens_per_s" in row[side]:
-                row[side]["mfu"] = row[side]["tokens_per_s"] * row["flops_per_token"] / (peak * 1e12)
-        if args.index_share:
-            every = model_config(args, index_topk_freq=1, index_skip_topk_offset=0, indexer_types=None)
-            row["ours_indexer_every_layer"] = measure("ours", every, seq, args)
+        for name, results in runs.items():
+            row[name] = results[i]
+            if "tokens_per_s" in row[name] and name in sides:
+                row[name]["mfu"] = row[name]["tokens_per_s"] * row["flops_per_token"] / (peak * 1e12)
         rows.append(row)
         print(line(row, sides))
     if args.out:
