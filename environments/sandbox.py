@@ -294,10 +294,7 @@ class BwrapSandbox(Sandbox):
 
     # ---- the resident executor (as root) ---------------------------------------------------------------------
     def _start_executor(self) -> None:
-        lim, mb = self.limits, 1024 * 1024
-        config = {"uid": self._lease.uid, "io": _EXECUTOR_IO,
-                  "limits": {"as": lim.memory_mb * mb, "cpu": lim.cpu_s, "fsize": lim.max_file_mb * mb,
-                             "nproc": lim.max_processes, "nofile": lim.max_open_files}}
+        config = {"uid": self._lease.uid, "io": _EXECUTOR_IO, "limits": self._rlimits()}
         cmd = self._bwrap_args() + ["--bind", str(self._io), _EXECUTOR_IO, "--ro-bind", _EXECUTOR, "/.sandbox-executor",
                                     "--cap-drop", "ALL"]
         for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_SETPCAP"):
@@ -361,24 +358,23 @@ class BwrapSandbox(Sandbox):
             return (None if timed_out else -signal.SIGKILL), timed_out
         return os.waitstatus_to_exitcode(reply["status"]), reply["timed_out"]
 
+    def _rlimits(self) -> dict[str, int]:
+        """The rlimits every command gets, by prlimit(1)'s names (the executor maps them to RLIMIT_*)."""
+        lim, mb = self.limits, 1024 * 1024
+        return {"as": lim.memory_mb * mb, "cpu": lim.cpu_s, "fsize": lim.max_file_mb * mb,
+                "nproc": lim.max_processes, "nofile": lim.max_open_files}
+
     def _limits_prefix(self) -> list[str]:
         """The rlimits, set inside the sandbox by prlimit(1) just before the command (and before the uid
         switch, so that they bind the sandbox's uid). Setting them in Python between fork and exec instead
         (`preexec_fn`) forbids the vfork fast path: a fork of a process holding a model cost ~11 ms a call."""
         if not _PRLIMIT:
             return []
-        lim, mb = self.limits, 1024 * 1024
-        return [_PRLIMIT, f"--as={lim.memory_mb * mb}", f"--cpu={lim.cpu_s}", f"--fsize={lim.max_file_mb * mb}",
-                f"--nproc={lim.max_processes}", f"--nofile={lim.max_open_files}", "--"]
+        return [_PRLIMIT, *(f"--{name}={value}" for name, value in self._rlimits().items()), "--"]
 
     def _set_limits(self) -> None:  # without prlimit(1): in the child between fork and exec
-        lim = self.limits
-        mb = 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * mb, lim.memory_mb * mb))
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_mb * mb, lim.max_file_mb * mb))
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
+        for name, value in self._rlimits().items():
+            resource.setrlimit(getattr(resource, f"RLIMIT_{name.upper()}"), (value, value))
 
     def exec(self, cmd: str | list[str], timeout: float | None = None, stdin: str | None = None) -> ExecResult:
         if self._closed:
