@@ -9,7 +9,8 @@ Who is who: the executor runs as root inside the sandbox's PID, network, IPC and
 CAP_SETUID, CAP_SETGID, CAP_KILL and CAP_SETPCAP (to empty the commands' bounding set). Each command runs as
 the sandbox's unprivileged uid, in a new session, with the rlimits, no supplementary groups, no capabilities and
 no_new_privs, so the agent's processes can neither signal nor trace the executor nor read its pipes. It talks
-only to the host, over its stdin/stdout (one JSON line each way); the command's stdin, stdout and stderr are files in a root-only folder (`io`) the host reads.
+only to the host, over its stdin/stdout (one JSON line each way); the command's stdin, stdout and stderr are
+files in a root-only folder (`io`) the host reads.
 
 Per call, as before with one bwrap per call: when the command ends or times out, every process of the sandbox's
 uid is killed (`kill(-1)` from here reaches all of them and nothing else: bwrap's init is exempt), so orphans
