@@ -156,7 +156,11 @@ def run_side(side: str, cfg: Glm5Config, args) -> list[dict]:
     """Every length on one model (one model on the GPU at a time, so each side's peak memory is its own)."""
     model = build(side, cfg, args.device)
     try:
-        return [measure(side, model, seq, args) for seq in args.seqs]
+        results = []
+        for seq in args.seqs:  # each figure printed as it comes: a long run cut short still reports
+            results.append(measure(side, model, seq, args))
+            print(f"  {side} at {seq}: {json.dumps(results[-1])}", flush=True)
+        return results
     finally:
         del model
         if args.device == "cuda":

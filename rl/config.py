@@ -93,7 +93,10 @@ class TrainerConfig:
     weight_sync_bucket_mb: int = 64
     verify_weight_sync: bool = False  # compare every engine's weights with the trainer's after each sync
     torch_threads: int = 0  # 0: every core
-    time_limit_s: float = 0.0  # > 0: checkpoint and stop before a step that would end past it (resume=true goes on)
+    time_limit_s: float = 0.0  # > 0: end the run before a step that would end past it
+    # stop: checkpoint and stop (resume=true goes on); finish: make the last step that fits the final one (its
+    # final evaluation included), for a run that must end complete within one job slot
+    time_limit_action: str = "stop"
     actor_gpus: float = 0.0  # Ray GPU share of the actor worker (0: CPU); fractions colocate workers on one GPU
     critic_gpus: float = 0.0
     ray_address: Optional[str] = None  # None: start a local Ray
@@ -142,6 +145,7 @@ def validate(cfg: Config) -> None:
             problems.append(f"{key}={value!r}: must be one of {list(allowed)}")
 
     one_of("engine.type", cfg.engine.type, ["local", "sglang"])
+    one_of("trainer.time_limit_action", cfg.trainer.time_limit_action, ["stop", "finish"])
     sg = cfg.engine.sglang
     if cfg.engine.type == "sglang":
         one_of("engine.sglang.weight_sync", sg.weight_sync, ["tensor", "distributed", "disk"])

@@ -83,6 +83,12 @@ def evaluate_all(cfg: Config, w: Workers, eval_tasks, extra_tasks, step: int, wi
     return m
 
 
+def runs_out(limit: float, elapsed: float, step_s: float, eval_s: float, steps_ahead: int = 1) -> bool:
+    """Whether `steps_ahead` more steps of `step_s` and then an evaluation of `eval_s` would end past `limit`
+    seconds (0: no limit)."""
+    return bool(limit) and elapsed + steps_ahead * step_s + eval_s > limit
+
+
 def train(cfg: Config) -> dict:
     validate(cfg)
     check_sandbox(cfg.env.sandbox)
@@ -125,18 +131,22 @@ def train(cfg: Config) -> dict:
             eval_s = final["perf/eval_s"]
             logger.log(0, final)
             log.info(step_line(0, final))
+        limit, finish = cfg.trainer.time_limit_s, cfg.trainer.time_limit_action == "finish"
+        step_s = 0.0  # the last step's duration, the estimate of the next one's
         for step in range(start, cfg.trainer.steps):
             timer = Timer()
+            # "finish": the last step that leaves room for the final evaluation ends the run (no resume needed)
+            last = step + 1 == cfg.trainer.steps or (
+                finish and runs_out(limit, time.perf_counter() - started, step_s, eval_s, steps_ahead=2))
             metrics = train_step(cfg, w, sampler, step, audit)
-            last = step + 1 == cfg.trainer.steps
             if (eval_tasks or extra_tasks) and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
                 metrics.update(evaluate_all(cfg, w, eval_tasks, extra_tasks, step + 1, with_extra=last))
                 eval_s = max(eval_s, metrics["perf/eval_s"])
-            # Stop when one more step like this one (plus the final evaluation, if the next step is the last)
-            # would end past the limit: a job slot, a preemptible node.
-            limit = cfg.trainer.time_limit_s
-            next_cost = timer.total() + (eval_s if step + 2 == cfg.trainer.steps else 0.0)
-            out_of_time = bool(limit) and not last and time.perf_counter() - started + next_cost > limit
+            # "stop": checkpoint and stop when one more step like this one (plus the final evaluation, if the
+            # next step is the last) would end past the limit: a job slot, a preemptible node; resume=true goes on.
+            step_s = timer.total()
+            out_of_time = not last and not finish and runs_out(
+                limit, time.perf_counter() - started, step_s, eval_s if step + 2 == cfg.trainer.steps else 0.0)
             if last or out_of_time or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 timer.lap()
                 checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
@@ -147,6 +157,11 @@ def train(cfg: Config) -> dict:
             logger.log(step + 1, metrics)
             final.update(metrics)
             log.info(step_line(step + 1, metrics))
+            if last and step + 1 < cfg.trainer.steps:
+                final["finished_early_at_step"] = step + 1
+                log.warning("trainer.time_limit_s=%.0f: finished at step %d of %d (final evaluation done)",
+                            limit, step + 1, cfg.trainer.steps)
+                break
             if out_of_time:
                 final["stopped_early_at_step"] = step + 1
                 log.warning("trainer.time_limit_s=%.0f: stopped after step %d (checkpoint saved); continue with "

@@ -114,9 +114,13 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
         assert "trainer.time_limit_s=1: stopped after step 2" in output
         assert json.loads((run / "summary.json").read_text())["stopped_early_at_step"] == 2
         assert (run / "checkpoints" / "step_000002" / "trainer_state.json").exists()
-    done = subprocess.run(args + ["resume=true"], capture_output=True, text=True, timeout=900)
+    # The rest under time_limit_action=finish with a limit already past: the first step after the resume is made
+    # the last one (final evaluation included) instead of stopping for another resume.
+    done = subprocess.run(args + ["resume=true", "trainer.steps=5", "trainer.time_limit_s=1",
+                                  "trainer.time_limit_action=finish"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "resumed from" in done.stdout + done.stderr
+    assert json.loads((run / "summary.json").read_text())["finished_early_at_step"] == 3
     records = read_metrics(run / "metrics.jsonl")
     assert records[-1]["eval/episodes"] == 4  # the final evaluation: 2 held-out tasks x 2 samples
     assert records[-1]["eval_extra/episodes"] == 1  # and every record of the extra set, once

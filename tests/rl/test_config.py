@@ -54,8 +54,10 @@ def test_semantic_validation():
 
     validate(composed("+experiment=coding_ppo"))
     cfg = composed("+experiment=coding_ppo", "agent.compaction.reserve=10", "algorithm.kl_estimator=k7",
-                   "algorithm.dual_clip=0.5", "env.reward=vibes", "trainer.eval_samples=4")
+                   "algorithm.dual_clip=0.5", "env.reward=vibes", "trainer.eval_samples=4",
+                   "trainer.time_limit_action=pause")
     with pytest.raises(ValueError) as err:
         validate(cfg)
-    for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward", "trainer.eval_samples"):
+    for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward", "trainer.eval_samples",
+                "trainer.time_limit_action"):
         assert key in str(err.value)

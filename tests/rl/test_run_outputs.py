@@ -6,6 +6,7 @@ from environments import Task, TaskFile
 from rl.checkpoint import Checkpointer
 from rl.data import TaskSampler
 from rl.metrics import MetricsLogger, plot_curves, read_metrics
+from rl.train import runs_out
 
 
 def test_metrics_jsonl_resume_and_plot(tmp_path):
@@ -46,3 +47,12 @@ def test_sampler_resumes_the_same_order():
     assert sorted(first[:5]) == sorted(t.id for t in tasks)  # an epoch visits every task once
     with pytest.raises(ValueError, match="task set changed"):
         TaskSampler(tasks[:3]).load_state_dict(state)
+
+
+def test_time_limit_arithmetic():
+    assert not runs_out(0, elapsed=1e9, step_s=1e9, eval_s=1e9)  # no limit
+    # 100 s in, steps of 20 s, a final evaluation of 30 s, a limit of 160 s:
+    assert not runs_out(160, 100, 20, 30)  # one more step and the evaluation end at 150
+    assert runs_out(160, 100, 20, 30, steps_ahead=2)  # two more would end at 170
+    assert runs_out(160, 100, 20, 45)  # a longer evaluation: 165
+    assert not runs_out(160, 100, 30, 30)  # ends exactly at the limit: still fits
