@@ -4,6 +4,7 @@
     python bench/glm5.py --seqs 16384 32768 65536 --index-share   # + IndexShare's saving (freq 4 vs 1)
     python bench/glm5.py --layers 16 --experts 32 --seqs 32768 --only ours     # ≥ 1B parameters at 32K
     python bench/glm5.py --device cpu --config tiny --seqs 64 128 --steps 1    # a smoke run (the CPU test's)
+    python bench/glm5.py --seqs 4096 --profile                                  # where a step's time goes
 
 Per sequence length (batch 1): forward + backward of the next-token loss on random tokens (no optimiser step),
 `--steps` timed after one warm-up, training tokens/s and peak memory; a run that does not fit reports OOM. Each
@@ -152,6 +153,21 @@ def measure(side: str, model, seq: int, args) -> dict:
     return {"oom": True, "checkpointing": modes[-1]}
 
 
+def profile(side: str, model, seq: int, args) -> None:
+    """The 25 costliest operators of one more step (device time on a GPU, CPU time otherwise)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device=args.device)
+    cuda = args.device == "cuda"
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step(side, model, ids)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"profile of one {side} step at {seq} tokens:\n" + prof.key_averages().table(sort_by=key, row_limit=25),
+          flush=True)
+
+
 def run_side(side: str, cfg: Glm5Config, args) -> list[dict]:
     """Every length on one model (one model on the GPU at a time, so each side's peak memory is its own)."""
     model = build(side, cfg, args.device)
@@ -160,6 +176,8 @@ def run_side(side: str, cfg: Glm5Config, args) -> list[dict]:
         for seq in args.seqs:  # each figure printed as it comes: a long run cut short still reports
             results.append(measure(side, model, seq, args))
             print(f"  {side} at {seq}: {json.dumps(results[-1])}", flush=True)
+            if args.profile and seq == args.seqs[0] and not results[-1].get("oom"):
+                profile(side, model, seq, args)
         return results
     finally:
         del model
@@ -179,6 +197,7 @@ def main() -> None:
     p.add_argument("--checkpointing", choices=["off", "on", "auto"], default="auto")
     p.add_argument("--index-share", action="store_true", help="also time ours with an indexer in every layer")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument("--profile", action="store_true", help="print each side's costliest operators at the first length")
     args = p.parse_args()
 
     cfg = model_config(args)

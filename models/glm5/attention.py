@@ -12,8 +12,9 @@ We compute it in the *absorbed* (MQA) form that FlashMLA, SGLang and prime-rl us
 W_kvb) into the query, q̃_h = [W_UK,hᵀ q_n,h ; q_r,h] ∈ R^{d_c + d_r}, so a_{h,t,s} = q̃_h,t · [c_kv,s ; k_r,s] and
 o_h,t = W_UV,h Σ_s p c_kv,s. The per-token state is the 576-wide latent [c_kv ; k_r] (what the KV cache holds),
 and sparse attention *gathers* the k selected latents per query — [chunk, k, 576] at a time, one copy shared by
-all heads — instead of masking a dense [S, T] score matrix. Queries are processed in chunks; under autograd each
-chunk is checkpointed, so the backward re-gathers rather than storing gathered keys.
+all heads — instead of masking a dense [S, T] score matrix. Queries are processed in chunks; the sparse chunks run
+through `SparseMLA` (models/glm5/sparse_mla.py: a hand-written backward that re-gathers once and scatters once),
+the dense ones (every causal key fits in top-k) are checkpointed; neither keeps gathered keys between passes.
 
 Layer kinds (IndexShare, §4.5): a "full" layer owns an `Indexer` and selects S_t itself; a "shared" layer has no
 indexer weights and reuses the top-k of the last full layer (the *carry*) but projects and attends over its own
@@ -33,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from models.glm5.config import Glm5Config
 from models.glm5.indexer import Indexer, causal_indices, indexer_kl_loss
 from models.glm5.layers import RMSNorm, apply_rope, masked_softmax, valid_keys
+from models.glm5.sparse_mla import sparse_mla
 
 
 @dataclass
@@ -139,10 +141,16 @@ class MLA(nn.Module):
         _, w_uv = self._w_uk_uv()
         outs = []
         grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or w_uv.requires_grad)
+        by_hand = selection is not None and not (self.training and self.dropout)  # SparseMLA has no dropout
         for a in range(0, q.shape[1], self.chunk):
             args = (q[:, a:a + self.chunk], kv, None if selection is None else selection[:, a:a + self.chunk],
-                    query_index[:, a:a + self.chunk], key_mask, w_uv)
-            outs.append(checkpoint(self._chunk, *args, use_reentrant=False) if grad else self._chunk(*args))
+                    query_index[:, a:a + self.chunk], key_mask)
+            if by_hand:
+                o_lat = sparse_mla(*args, self.scale, self.d_c)
+                outs.append(torch.einsum("bchd,hvd->bchv", o_lat, w_uv))
+            else:
+                outs.append(checkpoint(self._chunk, *args, w_uv, use_reentrant=False) if grad
+                            else self._chunk(*args, w_uv))
         o = torch.cat(outs, dim=1)
         return o.flatten(2)
 

@@ -75,9 +75,10 @@ def valid_keys(idx: torch.Tensor, query_index: torch.Tensor, key_mask: torch.Ten
 
 
 def masked_softmax(scores: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dim restricted to `ok`, in fp32; rows with no valid entry give all zeros (a padded
-    query row then outputs 0 instead of NaN, which would leak into its KV and, through p = 0 · NaN, into others)."""
-    s = scores.float().masked_fill(~ok, float("-inf"))
-    peak = s.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min).detach()  # shift-invariant
+    """softmax over the last dim restricted to `ok`, in fp32 (fp64 stays fp64); rows with no valid entry give all
+    zeros (a padded query row then outputs 0 instead of NaN, which would leak into its KV and, through p = 0 · NaN,
+    into others)."""
+    s = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~ok, float("-inf"))
+    peak = s.amax(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).min).detach()  # shift-invariant
     e = torch.exp(s - peak)
-    return e / e.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return e / e.sum(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).tiny)

@@ -64,10 +64,11 @@ def test_flops_per_token_by_hand(bench):
 def test_cpu_smoke_run_of_both_sides(tmp_path):
     out = tmp_path / "glm5.json"
     run = subprocess.run([sys.executable, str(BENCH / "glm5.py"), "--device", "cpu", "--config", "tiny", "--seqs", "32",
-                          "--steps", "1", "--index-share", "--out", str(out)], capture_output=True, text=True,
+                          "--steps", "1", "--index-share", "--profile", "--out", str(out)], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     row = json.loads(out.read_text())["rows"][0]
     for side in ("ours", "transformers", "ours_indexer_every_layer"):
         assert row[side]["tokens_per_s"] > 0, row
     assert "ours/transformers" in run.stdout
+    assert "profile of one ours step at 32 tokens" in run.stdout and "SparseMLABackward" in run.stdout
