@@ -7,12 +7,15 @@ Ray placement gives each rank its GPU and the same function is called with the r
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def release_memory() -> None:
@@ -193,6 +196,14 @@ class DeepSpeedWorker:
                                               load_lr_scheduler_states=True)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}")
+        # The optimizer's state_dict carries its hyper-parameters; the run's config wins (a resumed run with a
+        # new learning rate must train at it, not silently at the checkpoint's). Adam's moments stay restored.
+        groups = self.engine.optimizer.param_groups
+        if groups and groups[0]["lr"] != self.optim.learning_rate:
+            log.warning("resumed with learning_rate %g (the checkpoint's was %g)", self.optim.learning_rate,
+                        groups[0]["lr"])
+        for group in groups:
+            group["lr"], group["weight_decay"] = self.optim.learning_rate, self.optim.weight_decay
 
     def save(self, folder: str) -> None:
         """A checkpoint: `hf/` for transformers, SGLang and evaluation; `state/` to resume training."""

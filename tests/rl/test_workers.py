@@ -106,6 +106,11 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(tiny_path, tmp_path
 
     hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "ckpt" / "hf")
     assert hf.config.num_labels == 1
+    # resumed with another learning rate: the config's applies (the optimizer state alone would restore 1e-3)
+    c = CriticWorker(tiny_path, OptimConfig(learning_rate=4e-3), value_clip=None)
+    c.load(str(tmp_path / "ckpt"))
+    assert {g["lr"] for g in c.engine.optimizer.param_groups} == {4e-3}
+    assert {g["lr"] for g in b.engine.optimizer.param_groups} == {1e-3}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
