@@ -33,7 +33,7 @@ from rl.config import validate
 from rl.data import TaskSampler
 from rl.metrics import MetricsLogger, plot_curves
 from rl.stats import trajectory_metrics
-from rl.train import Timer, check_sandbox, prepare_run_dir, write_audit
+from rl.train import TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
 
 log = logging.getLogger("opd.distill")
 
@@ -167,6 +167,7 @@ def distill(cfg: DistillConfig) -> dict:
     log.info("OPD %s: student %s, teachers %s, %d train / %d held-out tasks", run_dir, student,
              {t.name: t.domains for t in cfg.opd.teachers}, len(train_tasks), len(eval_tasks))
 
+    started = time.perf_counter()
     start_ray(cfg)
     critic = str(resolve_model_path(cfg.model.critic or cfg.model.name)) if cfg.opd.mode == "ppo_opd" else None
     w = spawn(cfg, student, critic, str(run_dir))
@@ -184,9 +185,11 @@ def distill(cfg: DistillConfig) -> dict:
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
                            OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
     final: dict = {}
+    clock = TimeLimit(cfg.trainer, started)
     with open(run_dir / "guard_audit.jsonl", "a") as audit:
         if start == 0 and eval_tasks:
             first = evaluate_student(cfg, w, eval_tasks, 0)
+            clock.saw_evaluation(first["perf/eval_s"])
             if cfg.opd.eval_teachers:
                 first.update(evaluate_teachers(cfg, eval_tasks))
             logger.log(0, first)
@@ -194,11 +197,13 @@ def distill(cfg: DistillConfig) -> dict:
             log.info("step 0 | %s", domain_line(first, cfg))
         for step in range(start, cfg.trainer.steps):
             timer = Timer()
+            last = clock.is_last(step)
             metrics = distill_step(cfg, w, teachers, owner, sampler, step, audit)
-            last = step + 1 == cfg.trainer.steps
             if eval_tasks and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
                 metrics.update(evaluate_student(cfg, w, eval_tasks, step + 1))
-            if last or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
+                clock.saw_evaluation(metrics["perf/eval_s"])
+            out_of_time = clock.stops_after(step, timer.total(), last)
+            if last or out_of_time or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 timer.lap()
                 checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
                                  (lambda f: ray.get(w.critic.save.remote(f))) if w.critic is not None else None,
@@ -209,6 +214,8 @@ def distill(cfg: DistillConfig) -> dict:
             final.update(metrics)
             log.info("step %d | reverse KL %.3f | %s | %.0fs", step + 1, metrics.get("opd/reverse_kl", 0.0),
                      domain_line(metrics, cfg), metrics["perf/step_s"])
+            if clock.ended_early(step, last, out_of_time, final):
+                break
     ray.get(w.actor.save_hf.remote(str(run_dir / "student"), student))
     logger.close()
     if cfg.logging.plot:

@@ -89,6 +89,49 @@ def runs_out(limit: float, elapsed: float, step_s: float, eval_s: float, steps_a
     return bool(limit) and elapsed + steps_ahead * step_s + eval_s > limit
 
 
+class TimeLimit:
+    """`trainer.time_limit_s` in a driver loop (rl.train, opd.distill), measured from `started`.
+
+    time_limit_action=stop: after a step, checkpoint and stop when one more step like it (plus the final
+    evaluation, if the next step is the last) would end past the limit: a job slot, a preemptible node;
+    `resume=true` goes on. time_limit_action=finish: before a step, make it the last one (final evaluation
+    included) when it and one more would not leave room for the final evaluation: the run ends complete.
+    """
+
+    def __init__(self, trainer, started: float):
+        self.limit, self.steps, self.started = trainer.time_limit_s, trainer.steps, started
+        self.finish = trainer.time_limit_action == "finish"
+        self.step_s = 0.0  # the last step's duration: the estimate of the next one's
+        self.eval_s = 0.0  # the longest evaluation so far (the first includes the extra set, as the final does)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def saw_evaluation(self, seconds: float) -> None:
+        self.eval_s = max(self.eval_s, seconds)
+
+    def is_last(self, step: int) -> bool:
+        return step + 1 == self.steps or (
+            self.finish and runs_out(self.limit, self.elapsed(), self.step_s, self.eval_s, steps_ahead=2))
+
+    def stops_after(self, step: int, step_s: float, last: bool) -> bool:
+        self.step_s = step_s
+        return not last and not self.finish and runs_out(
+            self.limit, self.elapsed(), step_s, self.eval_s if step + 2 == self.steps else 0.0)
+
+    def ended_early(self, step: int, last: bool, out_of_time: bool, final: dict) -> bool:
+        """Logs and records (in `final`) a run that ends before trainer.steps; whether the loop should end."""
+        if last and step + 1 < self.steps:
+            final["finished_early_at_step"] = step + 1
+            log.warning("trainer.time_limit_s=%.0f: finished at step %d of %d (final evaluation done)",
+                        self.limit, step + 1, self.steps)
+        elif out_of_time:
+            final["stopped_early_at_step"] = step + 1
+            log.warning("trainer.time_limit_s=%.0f: stopped after step %d (checkpoint saved); continue with "
+                        "resume=true", self.limit, step + 1)
+        return last or out_of_time
+
+
 def train(cfg: Config) -> dict:
     validate(cfg)
     check_sandbox(cfg.env.sandbox)
@@ -124,29 +167,21 @@ def train(cfg: Config) -> dict:
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
                            OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
     final: dict = {}
-    eval_s = 0.0  # the last evaluation's duration, for the time limit
+    clock = TimeLimit(cfg.trainer, started)
     with open(run_dir / "guard_audit.jsonl", "a") as audit:
         if cfg.trainer.eval_at_start and start == 0 and (eval_tasks or extra_tasks):
             final = evaluate_all(cfg, w, eval_tasks, extra_tasks, 0, with_extra=True)
-            eval_s = final["perf/eval_s"]
+            clock.saw_evaluation(final["perf/eval_s"])
             logger.log(0, final)
             log.info(step_line(0, final))
-        limit, finish = cfg.trainer.time_limit_s, cfg.trainer.time_limit_action == "finish"
-        step_s = 0.0  # the last step's duration, the estimate of the next one's
         for step in range(start, cfg.trainer.steps):
             timer = Timer()
-            # "finish": the last step that leaves room for the final evaluation ends the run (no resume needed)
-            last = step + 1 == cfg.trainer.steps or (
-                finish and runs_out(limit, time.perf_counter() - started, step_s, eval_s, steps_ahead=2))
+            last = clock.is_last(step)
             metrics = train_step(cfg, w, sampler, step, audit)
             if (eval_tasks or extra_tasks) and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
                 metrics.update(evaluate_all(cfg, w, eval_tasks, extra_tasks, step + 1, with_extra=last))
-                eval_s = max(eval_s, metrics["perf/eval_s"])
-            # "stop": checkpoint and stop when one more step like this one (plus the final evaluation, if the
-            # next step is the last) would end past the limit: a job slot, a preemptible node; resume=true goes on.
-            step_s = timer.total()
-            out_of_time = not last and not finish and runs_out(
-                limit, time.perf_counter() - started, step_s, eval_s if step + 2 == cfg.trainer.steps else 0.0)
+                clock.saw_evaluation(metrics["perf/eval_s"])
+            out_of_time = clock.stops_after(step, timer.total(), last)
             if last or out_of_time or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 timer.lap()
                 checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
@@ -157,15 +192,7 @@ def train(cfg: Config) -> dict:
             logger.log(step + 1, metrics)
             final.update(metrics)
             log.info(step_line(step + 1, metrics))
-            if last and step + 1 < cfg.trainer.steps:
-                final["finished_early_at_step"] = step + 1
-                log.warning("trainer.time_limit_s=%.0f: finished at step %d of %d (final evaluation done)",
-                            limit, step + 1, cfg.trainer.steps)
-                break
-            if out_of_time:
-                final["stopped_early_at_step"] = step + 1
-                log.warning("trainer.time_limit_s=%.0f: stopped after step %d (checkpoint saved); continue with "
-                            "resume=true", limit, step + 1)
+            if clock.ended_early(step, last, out_of_time, final):
                 break
     logger.close()
     if w.fleet is not None:

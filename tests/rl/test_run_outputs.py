@@ -1,4 +1,6 @@
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -6,7 +8,7 @@ from environments import Task, TaskFile
 from rl.checkpoint import Checkpointer
 from rl.data import TaskSampler
 from rl.metrics import MetricsLogger, plot_curves, read_metrics
-from rl.train import runs_out
+from rl.train import TimeLimit, runs_out
 
 
 def test_metrics_jsonl_resume_and_plot(tmp_path):
@@ -56,3 +58,24 @@ def test_time_limit_arithmetic():
     assert runs_out(160, 100, 20, 30, steps_ahead=2)  # two more would end at 170
     assert runs_out(160, 100, 20, 45)  # a longer evaluation: 165
     assert not runs_out(160, 100, 30, 30)  # ends exactly at the limit: still fits
+
+
+@pytest.mark.parametrize("action", ["stop", "finish"])
+def test_time_limit_decisions(action):
+    """A 100 s limit, steps of 10 s, a final evaluation of 20 s; `elapsed` seconds into the run."""
+    def clock(elapsed):
+        c = TimeLimit(SimpleNamespace(time_limit_s=100, steps=10, time_limit_action=action),
+                      started=time.perf_counter() - elapsed)
+        c.saw_evaluation(20)
+        c.step_s = 10
+        return c
+
+    finish = action == "finish"
+    assert clock(50).is_last(3) is False  # 50 + 2 × 10 + 20 = 90: room for this step, another and the evaluation
+    assert clock(65).is_last(3) is finish  # 105: under "finish" this step is the last
+    assert clock(0).is_last(9) is True  # the configured last step, always
+    assert clock(50).stops_after(3, 10, last=False) is False
+    assert clock(95).stops_after(3, 10, last=False) is (not finish)  # "stop": checkpoint now, resume later
+    assert clock(85).stops_after(8, 10, last=False) is (not finish)  # next is the last: its evaluation counts
+    final = {}
+    assert clock(0).ended_early(3, last=True, out_of_time=False, final=final) and final == {"finished_early_at_step": 4}
