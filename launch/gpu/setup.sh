@@ -34,3 +34,15 @@ fi
 echo "setup: sglang $([ -f $SGL/.unpacked ] && echo ready || echo "parts: $(ls /tmp/rl-sgl-parts | tr '\n' ' ')")"
 echo "setup: stack $([ -f $STACK/.unpacked ] && echo ready || echo missing)," \
      "policy $([ -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && echo ready || echo "parts: $(ls /tmp/rl-gguf | tr '\n' ' ')")"
+
+# For the run scripts (train.sh, train_detached.sh): the SGLang server processes get SGLang's carried site tree
+# (and nothing else) on their path; and what a call brings back of a run.
+SGLANG_OVERRIDES=()
+[ -n "${RL_SGLANG_PYTHONPATH:-}" ] && SGLANG_OVERRIDES+=("+engine.sglang.env.PYTHONPATH=$RL_SGLANG_PYTHONPATH")
+copy_run_outputs() {  # RUN_DIR: metrics, summary, config, curves, the audit's and SGLang logs' tails → $OUT
+  local run=$1 out=${OUT:-/tmp} f
+  for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$run/$f" ] && cp "$run/$f" "$out/"; done
+  [ -f "$run/guard_audit.jsonl" ] && tail -n 200 "$run/guard_audit.jsonl" >"$out/guard_audit_tail.jsonl"
+  [ -d "$run/sglang" ] && tail -n 60 "$run"/sglang/*.log >"$out/sglang_tail.log" 2>/dev/null
+  return 0
+}

@@ -10,12 +10,8 @@ source launch/gpu/setup.sh
 LIMIT=${1:-480}; shift || true
 EXP=${EXP:-coding_ppo_gpu}
 RUN=/tmp/rl-out/$EXP
-EXTRA=()  # the SGLang server processes get SGLang's carried site tree (and nothing else) on their path
-[ -n "${RL_SGLANG_PYTHONPATH:-}" ] && EXTRA+=("+engine.sglang.env.PYTHONPATH=$RL_SGLANG_PYTHONPATH")
-python3 -m rl.train +experiment=$EXP output_dir=/tmp/rl-out trainer.time_limit_s="$LIMIT" resume=true "${EXTRA[@]}" "$@" \
+python3 -m rl.train +experiment=$EXP output_dir=/tmp/rl-out trainer.time_limit_s="$LIMIT" resume=true "${SGLANG_OVERRIDES[@]}" "$@" \
   2>&1 | grep --line-buffered -v -E "it/s\]|ep/s\]|Loading weights|Writing model shards" | tee "${OUT:-/tmp}/train.log"
 status=${PIPESTATUS[0]}
-[ -d "$RUN/sglang" ] && tail -n 60 "$RUN"/sglang/*.log > "${OUT:-/tmp}/sglang_tail.log" 2>/dev/null
-for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "${OUT:-/tmp}/"; done
-[ -f "$RUN/guard_audit.jsonl" ] && tail -n 200 "$RUN/guard_audit.jsonl" > "${OUT:-/tmp}/guard_audit_tail.jsonl"
+copy_run_outputs "$RUN"
 exit $status

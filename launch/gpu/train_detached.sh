@@ -16,9 +16,7 @@ EXP=${EXP:-coding_ppo_gpu}
 RUN=/tmp/rl-out/$EXP LOG=/tmp/rl-out/$EXP.log PID=/tmp/rl-out/$EXP.pid
 mkdir -p /tmp/rl-out
 if [ "$VERB" = start ]; then
-  EXTRA=()  # the SGLang server processes get SGLang's carried site tree (and nothing else) on their path
-  [ -n "${RL_SGLANG_PYTHONPATH:-}" ] && EXTRA+=("+engine.sglang.env.PYTHONPATH=$RL_SGLANG_PYTHONPATH")
-  setsid python3 -m rl.train +experiment=$EXP output_dir=/tmp/rl-out "${EXTRA[@]}" "$@" >"$LOG" 2>&1 </dev/null &
+  setsid python3 -m rl.train +experiment=$EXP output_dir=/tmp/rl-out "${SGLANG_OVERRIDES[@]}" "$@" >"$LOG" 2>&1 </dev/null &
   echo $! >"$PID"
   echo 0 >"$LOG.shown"
 fi
@@ -34,8 +32,6 @@ deadline=$((SECONDS + CALL_S))
 while running && [ $SECONDS -lt $deadline ]; do show_new; sleep 10; done
 show_new
 running && echo "train_detached: still running (pid $(cat "$PID"))" || echo "train_detached: the run has ended"
-for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "${OUT:-/tmp}/"; done
-[ -f "$RUN/guard_audit.jsonl" ] && tail -n 200 "$RUN/guard_audit.jsonl" >"${OUT:-/tmp}/guard_audit_tail.jsonl"
-[ -d "$RUN/sglang" ] && tail -n 60 "$RUN"/sglang/*.log >"${OUT:-/tmp}/sglang_tail.log" 2>/dev/null
+copy_run_outputs "$RUN"
 cp "$LOG" "${OUT:-/tmp}/train.log"
 exit 0
