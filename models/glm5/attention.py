@@ -15,6 +15,8 @@ and sparse attention *gathers* the k selected latents per query — [chunk, k, 5
 all heads — instead of masking a dense [S, T] score matrix. Queries are processed in chunks; the sparse chunks run
 through `SparseMLA` (models/glm5/sparse_mla.py: a hand-written backward that re-gathers once and scatters once),
 the dense ones (every causal key fits in top-k) are checkpointed; neither keeps gathered keys between passes.
+On a GPU in bf16 the sparse core is instead one fused Triton kernel over all queries that reads the selected
+latents in place (models/glm5/kernels/sparse_mla.py; `sparse_attn_kernel="torch"` keeps the chunked torch path).
 
 Layer kinds (IndexShare, §4.5): a "full" layer owns an `Indexer` and selects S_t itself; a "shared" layer has no
 indexer weights and reuses the top-k of the last full layer (the *carry*) but projects and attends over its own
@@ -34,6 +36,8 @@ from torch.utils.checkpoint import checkpoint
 from models.glm5.config import Glm5Config
 from models.glm5.indexer import Indexer, causal_indices, indexer_kl_loss
 from models.glm5.layers import RMSNorm, apply_rope, masked_softmax, valid_keys
+from models.glm5 import kernels
+from models.glm5.kernels.sparse_mla import sparse_mla_fused
 from models.glm5.sparse_mla import sparse_mla
 
 
@@ -75,6 +79,9 @@ class MLA(nn.Module):
         self.scale = (self.d_nope + self.d_rope) ** -0.5
         self.dropout = config.attention_dropout
         self.chunk = config.attn_query_chunk
+        if config.sparse_attn_kernel not in ("auto", "torch"):
+            raise ValueError(f"sparse_attn_kernel must be 'auto' or 'torch', got {config.sparse_attn_kernel!r}")
+        self.kernel = config.sparse_attn_kernel
         bias = config.attention_bias
         self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.latent_norm_eps)
@@ -142,6 +149,9 @@ class MLA(nn.Module):
         outs = []
         grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or w_uv.requires_grad)
         by_hand = selection is not None and not (self.training and self.dropout)  # SparseMLA has no dropout
+        if by_hand and self.kernel == "auto" and kernels.usable(q):  # no gather: all queries at once
+            o_lat = sparse_mla_fused(q, kv, selection, query_index, key_mask, self.scale, self.d_c)
+            return torch.einsum("bshd,hvd->bshv", o_lat, w_uv).flatten(2)
         for a in range(0, q.shape[1], self.chunk):
             args = (q[:, a:a + self.chunk], kv, None if selection is None else selection[:, a:a + self.chunk],
                     query_index[:, a:a + self.chunk], key_mask)

@@ -106,6 +106,8 @@ class Glm5Config:
     latent_norm_eps: float = _impl(1e-6)  # q_a/kv_a RMSNorm eps: transformers & NeMo 1e-6, SGLang & prime-rl 1e-5
     indexer_norm_eps: float = _impl(1e-6)  # indexer k_norm (LayerNorm) eps, the same everywhere
     attn_query_chunk: int = _impl(256)  # queries per sparse-attention chunk (gathered KV: chunk × topk × 576)
+    moe_impl: str = _impl("auto")  # "auto": grouped GEMMs on CUDA, a loop over experts on CPU; "loop"; "grouped"
+    sparse_attn_kernel: str = _impl("auto")  # "auto": fused Triton on CUDA in bf16/fp16, else torch; "torch"
     indexer_query_chunk: int = _impl(256)  # queries per indexer scoring chunk
     indexer_key_block: int = _impl(4096)  # keys per indexer scoring block (scores: q_chunk × heads × block)
 

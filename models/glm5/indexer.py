@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.glm5 import kernels
 from models.glm5.config import Glm5Config
+from models.glm5.kernels.indexer import index_scores_fused
 from models.glm5.layers import apply_rope
 
 
@@ -61,7 +63,10 @@ class Indexer(nn.Module):
         return F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """I [B, c, t] for queries q [B, c, H_I, d_I] (weights w [B, c, H_I]) against keys k [B, t, d_I], fp32."""
+        """I [B, c, t] for queries q [B, c, H_I, d_I] (weights w [B, c, H_I]) against keys k [B, t, d_I], fp32
+        (fused in one Triton kernel on a GPU in bf16: models/glm5/kernels/indexer.py)."""
+        if kernels.usable(q):
+            return index_scores_fused(q, w, k, self.head_dim ** -0.5)
         dots = torch.einsum("bchd,btd->bcht", q.float(), k.float()) * self.head_dim ** -0.5
         return torch.einsum("bcht,bch->bct", F.relu(dots), w)
 

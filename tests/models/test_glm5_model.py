@@ -242,3 +242,29 @@ def test_bf16_keeps_router_bias_fp32(model):
     # bf16 flips some near-tied expert / key selections (transformers' bf16 moves as much): compare on average
     print(f"bf16 vs fp32: mean |Δ| {(lo - hi).abs().mean():.3g}")
     assert torch.isfinite(lo).all() and (lo - hi).abs().mean() < 0.15  # transformers bf16: 0.09 here
+
+
+def _moe_outputs_and_grads(impl: str, device: str, dtype: torch.dtype, replay=None):
+    model = build_random(CFG.replace(moe_impl=impl), seed=3).to(device, dtype).train()
+    ids = ids_of(2, 48, seed=11).to(device)
+    out = model(input_ids=ids, routed_experts=replay, return_routing=True)
+    out.logits.float().square().mean().backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_grouped_experts_equal_the_loop_over_experts(device):
+    """The grouped-GEMM dispatch (the GPU default) against the per-expert loop (checked against transformers in
+    test_glm5_numerics): same logits, same gradient for every parameter — each expert's weights included, the
+    idle ones' staying None in both — under the same routing."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    loop, loop_grads = _moe_outputs_and_grads("loop", device, dtype)
+    grouped, grouped_grads = _moe_outputs_and_grads("grouped", device, dtype, replay=loop.routed_experts)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (grouped.logits - loop.logits).abs().max() <= tol * loop.logits.abs().max()
+    idle = grouped_grads.keys() - loop_grads.keys()
+    assert all(".experts." in n and grouped_grads[n].abs().max() == 0 for n in idle)
+    for name, want in loop_grads.items():
+        got = grouped_grads[name]
+        assert (got - want).abs().max() <= tol * max(want.abs().max().item(), 1e-12), name
