@@ -151,13 +151,15 @@ def push_weights(workers: Workers, version: int, bucket_mb: int, verify: bool = 
 
 
 def push_weights_sglang(workers: Workers, version: int, bucket_mb: int, verify: bool = False,
-                        new_group: bool = False) -> dict:
+                        new_group: bool = False, urls: list[str] | None = None) -> dict:
+    """The actor's weights to the fleet's servers (`urls`: a subset, e.g. the restarted ones; default all)."""
     fleet = workers.fleet
     cfg = fleet.cfg
+    urls = list(fleet.urls if urls is None else urls)
     tp = int(cfg.args.get("tp", cfg.args.get("tp-size", cfg.args.get("tp_size", 1))) or 1)
     def sync(mode: str, fresh_group: bool) -> dict:
-        return ray.get(workers.actor.sync_sglang.remote(fleet.urls, version, mode, bucket_mb, cfg.pause_mode,
-                                                        workers.weight_sync_dir, [tp] * len(fleet.urls), fresh_group))
+        return ray.get(workers.actor.sync_sglang.remote(urls, version, mode, bucket_mb, cfg.pause_mode,
+                                                        workers.weight_sync_dir, [tp] * len(urls), fresh_group))
 
     with fleet.sync_lock:
         started = time.perf_counter()

@@ -154,8 +154,8 @@ def train(cfg: Config) -> dict:
     start_ray(cfg)
     w = spawn(cfg, policy, critic, str(run_dir))
     if w.fleet is not None:  # a dead server is restarted and gets the current weights again
-        w.fleet.start_monitor(lambda: push_weights_sglang(w, w.weight_version, cfg.trainer.weight_sync_bucket_mb,
-                                                          new_group=True))
+        w.fleet.start_monitor(lambda urls: push_weights_sglang(w, w.weight_version, cfg.trainer.weight_sync_bucket_mb,
+                                                               new_group=True, urls=urls))
     start = 0
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)

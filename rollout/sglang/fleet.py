@@ -4,7 +4,7 @@ several, and a health monitor that restarts a dead server and has the trainer re
     fleet = SGLangFleet(cfg.engine.sglang, model_path, log_dir)
     fleet.start()                        # every server in parallel; the router once they are healthy
     engine_kwargs = fleet.endpoint()     # what each rollout worker's SGLangEngine connects to
-    fleet.start_monitor(on_restart)      # on_restart(): push the current weights to every server again
+    fleet.start_monitor(on_restart)      # on_restart(urls): push the current weights to the restarted servers
     ...
     fleet.stop()
 
@@ -93,7 +93,8 @@ class SGLangFleet:
                 out.append(i)
         return out
 
-    def restart(self, indices: list[int]) -> None:
+    def restart(self, indices: list[int]) -> list[str]:
+        """Restart these servers (each keeps its port, so its URL); returns their URLs."""
         for i in indices:
             if self.restarts >= self.cfg.max_restarts * max(len(self.servers), 1):
                 raise RuntimeError(f"SGLang server restarts exhausted ({self.restarts}); see the logs in {self.log_dir}")
@@ -101,10 +102,16 @@ class SGLangFleet:
             log.warning("SGLang server %d (%s) died; restarting. Log tail:\n%s", i, self.urls[i], tail)
             self._call(i, "restart")
             self.restarts += 1
+        return [self.urls[i] for i in indices]
 
     def start_monitor(self, on_restart) -> None:
-        """Every `health_interval_s`: restart dead servers, then `on_restart()` (re-sync the weights), under
-        `sync_lock` so that it never runs inside a weight sync."""
+        """Every `health_interval_s`: restart dead servers, then `on_restart(urls)` with the restarted servers'
+        URLs (re-sync their weights), under `sync_lock` so that it never runs inside a weight sync.
+
+        Only the restarted servers: the others hold the current weights already, and a sync pauses a server and
+        aborts what it is running. An aborted request waits for a newer weight version before it runs again
+        (SGLangEngine), and a re-sync of the same version never brings one: re-syncing the whole fleet made the
+        survivors' requests wait out the engine's abort_wait_s (300 s) after every restart."""
         if not self.servers or self._monitor is not None:
             return
 
@@ -114,8 +121,7 @@ class SGLangFleet:
                     with self.sync_lock:
                         dead = self.dead()
                         if dead and not self._stopping.is_set():
-                            self.restart(dead)
-                            on_restart()
+                            on_restart(self.restart(dead))
                 except Exception:  # the monitor must survive to try again; the run sees it in the log
                     log.exception("SGLang health monitor")
 

@@ -66,6 +66,7 @@ class FakeSGLang:
         self.aborted_queued: dict[str, None] = {}  # an insertion-ordered set, at most ABORTED_QUEUED_MAX ids
         self.lock = threading.Lock()
         self.started = time.time()
+        self.decode_s_per_token = float(os.environ.get("FAKE_SGLANG_DECODE_S_PER_TOKEN", "0"))
 
     def load(self) -> None:
         self.engine = LocalEngine.from_pretrained(self.model_path, max_batch_size=16)
@@ -110,6 +111,9 @@ class FakeSGLang:
         cached = self.cached_prefix(prompt)
         try:
             result = self.run(self.engine.generate(prompt, sampling, request_id=rid))
+            # simulated decode time (FAKE_SGLANG_DECODE_S_PER_TOKEN): a request stays in flight long enough
+            # for a fault-injection test to kill its server mid-request, whatever the speed of the machine
+            time.sleep(self.decode_s_per_token * len(result.output_ids))
         finally:
             with self.resumed:
                 self.inflight.discard(rid)

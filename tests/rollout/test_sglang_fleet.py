@@ -190,23 +190,41 @@ def test_requests_cut_by_a_weight_update_are_rerun_on_the_new_weights(fleet, tin
     assert all(r.meta["weight_version"] == 21 for r in results)
 
 
-def test_a_dead_server_loses_no_request_and_is_restarted_with_the_weights(fleet):
+@pytest.fixture
+def slow_fleet(tiny_path, tmp_path):
+    """Two servers of their own (this test kills one) that take 10 ms a generated token, so that 300-token
+    requests are still running when the test kills a server, however fast the machine generates."""
+    cfg = SGLangConfig(num_servers=2, launch_command=FAKE, router="off", health_interval_s=0.5, startup_timeout_s=120,
+                       env={"FAKE_SGLANG_DECODE_S_PER_TOKEN": "0.01"})
+    fleet = SGLangFleet(cfg, tiny_path, log_dir=str(tmp_path), use_ray=False)
+    fleet.start()
+    yield fleet
+    fleet.stop()
+
+
+def test_a_dead_server_loses_no_request_and_is_restarted_with_the_weights(slow_fleet):
     """Kill one server while requests run on both: they finish on the other; the monitor restarts the dead one
-    and calls the re-sync hook; once it serves the current version, the engine uses it again."""
+    and calls the re-sync hook with that server only; once it serves the current version, the engine uses it
+    again. (Re-syncing the whole fleet used to pause the survivor too, whose aborted requests then waited 300 s
+    for a newer weight version that a same-version re-sync never brings: the CI run that took 314 s.)"""
     from rollout.sglang.weights import sync_from_disk
 
-    resyncs = []
+    fleet, resyncs = slow_fleet, []
 
-    def resync():
-        run(sync_from_disk(fleet.urls, fleet.model_path, 21))
-        resyncs.append(time.monotonic())
+    def resync(urls):
+        run(sync_from_disk(urls, fleet.model_path, 21))
+        resyncs.append(urls)
 
+    run(sync_from_disk(fleet.urls, fleet.model_path, 21))  # the engine takes servers at its weight version only
     fleet.start_monitor(resync)
 
     async def go(engine):
         requests = [asyncio.create_task(engine.generate([5, 6, 7, i], SamplingParams(max_new_tokens=300, seed=i),
                                                         session_id=f"ep-{i}")) for i in range(8)]
-        await asyncio.sleep(1.0)
+        servers = await engine._servers_map()
+        while not all(s.inflight for s in servers.values()):  # both servers hold requests (3 s each at least)
+            await asyncio.sleep(0.01)
+        assert not any(r.done() for r in requests)
         fleet.kill(0)
         results = await asyncio.gather(*requests)
         deadline = time.monotonic() + 120
@@ -215,8 +233,12 @@ def test_a_dead_server_loses_no_request_and_is_restarted_with_the_weights(fleet)
         after = await _episodes(engine, sessions=8, turns=1)
         return results, engine.stats, after
 
-    results, stats, after = run(_with_engine(go, urls=fleet.urls, weight_version=21, health_interval_s=0.5))
+    results, stats, after = run(_with_engine(go, urls=fleet.urls, weight_version=21, health_interval_s=0.5,
+                                             abort_wait_s=30))
     assert all(len(r.output_ids) == 300 for r in results)
     assert stats.server_failures >= 1 and stats.retries >= 1
-    assert fleet.restarts == 1 and resyncs
+    # Each failed-over request runs again from the start on the survivor (≥ 3 s); a survivor paused by a
+    # re-sync would abort its requests and hold them for abort_wait_s (set below the 300 s default to show it)
+    assert stats.aborted_by_server == 0, "a survivor's requests were aborted by the restart's re-sync"
+    assert fleet.restarts == 1 and resyncs == [[fleet.urls[0]]]  # only the restarted server is re-synced
     assert {turns[0][0].meta["fake_served_by"] for turns in after} == {int(u.rsplit(":", 1)[1]) for u in fleet.urls}
