@@ -1,6 +1,7 @@
 """MTP speculative decoding in the LocalEngine: acceptance length and decode speed against plain decoding.
 
     python bench/mtp_speculative.py [--model glm52-tiny] [--fit-steps 200] [--draft-steps 1 2 3]
+    python bench/mtp_speculative.py --random-config kernel --device cuda     # GLM52.md §9B dims on a GPU
 
 A random checkpoint's MTP layer drafts noise (acceptance length 1.0), so the bench first fits it to the model's
 own greedy continuations of random prompts (self-distillation: only the MTP layer trains, with the MTP loss of
@@ -53,7 +54,7 @@ def fit_mtp(model, sequences: torch.Tensor, steps: int, mtp_steps: int, lr: floa
     losses = []
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
-        rows = sequences[torch.randint(0, len(sequences), (batch,), generator=g)]
+        rows = sequences[torch.randint(0, len(sequences), (batch,), generator=g)].to(model.device)
         out = model(input_ids=rows, logits_to_keep=None, mtp_steps=mtp_steps)
         opt.zero_grad()
         out.mtp.loss.backward()
@@ -76,11 +77,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--draft-steps", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--random-config", choices=["kernel"], default=None,
+                   help="instead of --model: a random GLM-5.2 model of GLM52.md §9B's dimensions (8 layers, "
+                        "hidden 1024, one MTP layer), built in-process (no tokenizer needed), fp32")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    model = load_model(str(resolve_model_path(args.model)), "policy")
+    if args.random_config:
+        from models.glm5.config import Glm5Config
+        from models.glm5.tiny import KERNEL_CONFIG, build_random
+
+        model = build_random(Glm5Config(**dict(KERNEL_CONFIG, dtype="float32"))).to(args.device).eval()
+        name = f"random {args.random_config} config"
+    else:
+        model = load_model(str(resolve_model_path(args.model)), "policy", device=args.device)
+        name = args.model
     vocab = model.config.vocab_size
-    print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+    print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {args.device}, "
           f"torch threads {torch.get_num_threads()}")
 
     if args.fit_steps:
