@@ -87,9 +87,11 @@ class MoE(nn.Module):
         self.impl = config.moe_impl
 
     def use_grouped(self, x: torch.Tensor) -> bool:
-        """Grouped GEMMs on a GPU ("auto"), never under ZeRO-3's per-expert gathering (which needs each expert's
-        module called), and wherever asked ("grouped", also on the CPU: how the tests compare the two)."""
-        if self.run_idle_experts or self.impl == "loop" or not hasattr(torch, "_grouped_mm"):
+        """Grouped GEMMs on a GPU ("auto"), never under ZeRO-3 (its parameters are gathered by each expert
+        module's forward hook, whatever the world size, so the stacked weights would be empty placeholders), and
+        wherever asked ("grouped", also on the CPU: how the tests compare the two)."""
+        zero3 = self.run_idle_experts or hasattr(self.experts[0].gate_proj.weight, "ds_id")  # DeepSpeed's mark
+        if zero3 or self.impl == "loop" or not hasattr(torch, "_grouped_mm"):
             return False
         return self.impl == "grouped" or x.is_cuda
 

@@ -268,3 +268,13 @@ def test_grouped_experts_equal_the_loop_over_experts(device):
     for name, want in loop_grads.items():
         got = grouped_grads[name]
         assert (got - want).abs().max() <= tol * max(want.abs().max().item(), 1e-12), name
+
+
+def test_grouped_experts_step_aside_under_zero3():
+    """ZeRO-3 gathers an expert's weights in that module's forward hook (any world size): the grouped path,
+    which reads the weights without calling the modules, must not run on DeepSpeed-partitioned parameters."""
+    moe = next(m for m in build_random(CFG.replace(moe_impl="grouped")).modules() if hasattr(m, "use_grouped"))
+    x = torch.zeros(2, CFG.hidden_size)
+    assert moe.use_grouped(x)
+    moe.experts[0].gate_proj.weight.ds_id = 0  # what deepspeed.zero.Init / ZeRO-3 set on every parameter
+    assert not moe.use_grouped(x)
