@@ -38,14 +38,21 @@ from rl.train import TimeLimit, Timer, check_sandbox, prepare_run_dir, write_aud
 log = logging.getLogger("opd.distill")
 
 
-def spawn_teachers(cfg: DistillConfig) -> dict[str, ray.actor.ActorHandle]:
+def sglang_settings(sglang) -> dict:
+    """What an `sglang` teacher's server needs of the run's engine.sglang (plain types, for Ray)."""
+    return {"launch_command": list(sglang.launch_command), "args": dict(sglang.args), "env": dict(sglang.env),
+            "host": sglang.host, "startup_timeout_s": sglang.startup_timeout_s,
+            "request_timeout_s": sglang.request_timeout_s}
+
+
+def spawn_teachers(cfg: DistillConfig, log_dir: str | None = None) -> dict[str, ray.actor.ActorHandle]:
     """One Ray worker per teacher, all loading at once."""
     handles = {}
     for t in cfg.opd.teachers:
         handles[t.name] = ray.remote(num_cpus=0, num_gpus=t.gpus)(TeacherWorker).remote(
             t.name, t.path, t.engine, temperature=cfg.engine.temperature, dtype=cfg.model.dtype,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens, torch_threads=cfg.trainer.torch_threads,
-            sglang_args=dict(cfg.engine.sglang.args))
+            sglang=sglang_settings(cfg.engine.sglang), log_dir=log_dir)
     ray.get([h.__ray_ready__.remote() for h in handles.values()])
     return handles
 
@@ -171,7 +178,7 @@ def distill(cfg: DistillConfig) -> dict:
     start_ray(cfg)
     critic = str(resolve_model_path(cfg.model.critic or cfg.model.name)) if cfg.opd.mode == "ppo_opd" else None
     w = spawn(cfg, student, critic, str(run_dir))
-    teachers = spawn_teachers(cfg)
+    teachers = spawn_teachers(cfg, str(run_dir / "sglang"))
     start = 0
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)

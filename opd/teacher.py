@@ -34,9 +34,13 @@ def check_same_tokenizer(student: str, teachers: dict[str, str]) -> None:
 
 
 class TeacherWorker:
+    """`sglang`: the server's settings for an `sglang` teacher, the fields of the run's `engine.sglang`
+    (rollout.config.SGLangConfig) that launch one: launch_command, args, env (e.g. the PYTHONPATH of a carried
+    SGLang), host, startup_timeout_s, request_timeout_s; `log_dir`: where its log goes."""
+
     def __init__(self, name: str, path: str, engine: str = "local", temperature: float = 1.0,
                  dtype: str = "float32", micro_batch_tokens: int = 4096, torch_threads: int = 0,
-                 sglang_args: dict | None = None):
+                 sglang: dict | None = None, log_dir: str | None = None):
         torch.set_num_threads(torch_threads or os.cpu_count() or 1)
         self.name = name
         self.temperature = temperature if temperature > 0 else 1.0
@@ -48,7 +52,12 @@ class TeacherWorker:
         if engine == "sglang":
             from rollout.sglang.server import SGLangServer
 
-            self.server = SGLangServer(path, sglang_args or {}, name=f"teacher-{name}")
+            s = dict(sglang or {})
+            self.request_timeout_s = float(s.get("request_timeout_s", 900.0))
+            launch = s.get("launch_command") or ("python", "-m", "sglang.launch_server")
+            self.server = SGLangServer(path, s.get("args") or {}, list(launch), name=f"teacher-{name}",
+                                       host=s.get("host", "127.0.0.1"), env=s.get("env") or {}, log_dir=log_dir,
+                                       startup_timeout_s=float(s.get("startup_timeout_s", 900.0)))
             self.server.start()
         else:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,11 +86,14 @@ class TeacherWorker:
             body = await client.post("/generate", {
                 "input_ids": s["token_ids"], "return_logprob": True, "logprob_start_len": 0,
                 "sampling_params": {"max_new_tokens": 0, "temperature": self.temperature}})
-            lps = [lp for lp, *_ in body["meta_info"]["input_token_logprobs"]]
+            lps = [lp for lp, *_ in body["meta_info"]["input_token_logprobs"]]  # entry t: log p(x_t | x_<t)
+            if len(lps) != len(s["token_ids"]):
+                raise RuntimeError(f"teacher {self.name}: {len(lps)} input logprobs for {len(s['token_ids'])} "
+                                   f"tokens from {self.server.url}")
             return [float(lp) if (m and lp is not None) else 0.0 for lp, m in zip(lps, s["loss_mask"])]
 
         async def all_of():
-            client = SGLangClient(self.server.url)
+            client = SGLangClient(self.server.url, self.request_timeout_s)
             try:
                 return await asyncio.gather(*(one(client, s) for s in samples))
             finally:

@@ -87,10 +87,14 @@ class FakeSGLang:
         for i, prompt in enumerate(prompts):
             sp = sps[i] if isinstance(sps, list) else sps
             rid = (rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if batch and rids else rids)) or os.urandom(8).hex()
-            outs.append(self.generate_one(prompt, sp, rid, bool(body.get("return_logprob"))))
+            start = body.get("logprob_start_len")
+            start = start[i] if isinstance(start, list) else start
+            outs.append(self.generate_one(prompt, sp, rid, bool(body.get("return_logprob")),
+                                          -1 if start is None else int(start)))
         return outs if batch else outs[0]
 
-    def generate_one(self, prompt: list[int], sp: dict, rid: str, return_logprob: bool) -> dict:
+    def generate_one(self, prompt: list[int], sp: dict, rid: str, return_logprob: bool,
+                     logprob_start_len: int = -1) -> dict:
         with self.resumed:
             while self.paused.is_set():
                 self.resumed.wait()
@@ -128,10 +132,22 @@ class FakeSGLang:
                 "num_retractions": 0, "completion_tokens": len(result.output_ids), "cached_tokens": cached,
                 "e2e_latency": 0.0, "fake_served_by": self.port}  # the one key real SGLang lacks (tests)
         if return_logprob:
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = (self.prompt_logprobs(prompt, sampling.temperature)[logprob_start_len:]
+                                            if logprob_start_len >= 0 else [])
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.output_logprobs, result.output_ids)]
             meta["output_token_logprobs_length"] = len(result.output_ids)
         return {"text": tok.decode(result.output_ids), "output_ids": result.output_ids, "meta_info": meta}
+
+    def prompt_logprobs(self, prompt: list[int], temperature: float) -> list[list]:
+        """SGLang's `input_token_logprobs` of the whole prompt: [logprob, token_id, None] per token, entry t being
+        log p(x_t | x_<t) (None for the first token), computed by a forward of the served model at the request's
+        temperature (1 when it is 0)."""
+        from models import policy_logprobs
+
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            lps = policy_logprobs(self.engine.model, ids, torch.ones_like(ids), temperature or 1.0)[0][0].tolist()
+        return [[None if t == 0 else lp, tok, None] for t, (lp, tok) in enumerate(zip(lps, prompt))]
 
     def cached_prefix(self, prompt: list[int]) -> int:
         with self.lock:

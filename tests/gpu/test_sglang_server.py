@@ -87,13 +87,7 @@ def _parity(url: str, folder: Path, prompts: list[list[int]], tag: str) -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from rollout.sglang.server import SGLangServer
-
-    root = tmp_path_factory.mktemp("glm52")
-    folders = {seed: root / f"seed{seed}" for seed in (0, 1, 2)}
-    states = {seed: _write_checkpoint(folder, seed) for seed, folder in folders.items()}
+def _server_env() -> dict[str, str]:
     env = {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0", "HF_HUB_OFFLINE": "1", "NCCL_CUMEM_ENABLE": "0",
            "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if SITE:
@@ -101,12 +95,24 @@ def served(tmp_path_factory):
     cuda = "/usr/local/cuda"
     if Path(cuda, "bin/nvcc").exists():
         env.update(CUDA_HOME=cuda, PATH=f"{cuda}/bin:{os.environ.get('PATH', '')}")
-    args = {"tp": 1, "kv-cache-dtype": "bfloat16", "dsa-prefill-backend": "flashmla_sparse",
-            "dsa-decode-backend": "flashmla_sparse", "sampling-backend": "pytorch", "mem-fraction-static": 0.3,
-            "context-length": 8192, "cuda-graph-max-bs": 64, "disable-prefill-cuda-graph": True,
-            "max-running-requests": 128, "random-seed": 0, "skip-tokenizer-init": True,
-            "enable-return-routed-experts": True, "max-total-tokens": 65536}
-    server = SGLangServer(str(folders[0]), args, env=env, name="sglang-gpu-test", log_dir=str(root),
+    return env
+
+
+SERVER_ARGS = {"tp": 1, "kv-cache-dtype": "bfloat16", "dsa-prefill-backend": "flashmla_sparse",
+               "dsa-decode-backend": "flashmla_sparse", "sampling-backend": "pytorch", "mem-fraction-static": 0.3,
+               "context-length": 8192, "cuda-graph-max-bs": 64, "disable-prefill-cuda-graph": True,
+               "max-running-requests": 128, "random-seed": 0, "skip-tokenizer-init": True,
+               "enable-return-routed-experts": True, "max-total-tokens": 65536}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from rollout.sglang.server import SGLangServer
+
+    root = tmp_path_factory.mktemp("glm52")
+    folders = {seed: root / f"seed{seed}" for seed in (0, 1, 2)}
+    states = {seed: _write_checkpoint(folder, seed) for seed, folder in folders.items()}
+    server = SGLangServer(str(folders[0]), SERVER_ARGS, env=_server_env(), name="sglang-gpu-test", log_dir=str(root),
                           startup_timeout_s=540)
     started = time.perf_counter()
     server.start()
@@ -247,3 +253,32 @@ def test_abort_by_request_id(served):
     result = asyncio.run(go())
     assert result.finish_reason == "abort" and len(result.output_ids) < 4000
     REPORT["abort"] = {"tokens_before_abort": len(result.output_ids)}
+
+
+def test_an_sglang_teacher_scores_like_our_model(tmp_path):
+    """opd.teacher.TeacherWorker(engine="sglang") on a real server of its own: the prefill-only request
+    (`max_new_tokens: 0`, `logprob_start_len: 0`) returns one input logprob per token, equal to our model's
+    within the parity tolerance. Independent of `served` (run it alone with -k teacher)."""
+    from opd.teacher import TeacherWorker
+
+    folder = tmp_path / "teacher"
+    _write_checkpoint(folder, 0)
+    settings = {"args": {**SERVER_ARGS, "enable-return-routed-experts": False}, "env": _server_env(),
+                "startup_timeout_s": 540}
+    started = time.perf_counter()
+    teacher = TeacherWorker("t", str(folder), "sglang", temperature=1.0, sglang=settings, log_dir=str(tmp_path))
+    startup = time.perf_counter() - started
+    prompts = _prompts()
+    samples = [{"token_ids": p, "loss_mask": [0] * 8 + [1] * (len(p) - 8)} for p in prompts]
+    try:
+        started = time.perf_counter()
+        scores = teacher.score(samples)
+        scoring = time.perf_counter() - started
+    finally:
+        teacher.shutdown()
+    diffs = torch.cat([(torch.tensor(s[8:]) - _our_logprobs(folder, p)[7:]).abs() for s, p in zip(scores, prompts)])
+    REPORT["teacher_parity"] = {"mean_abs": float(diffs.mean()), "max_abs": float(diffs.max()),
+                                "tokens": int(diffs.numel()), "startup_s": startup, "scoring_s": scoring}
+    print(REPORT["teacher_parity"])
+    assert all(len(s) == len(p) and not any(s[:8]) for s, p in zip(scores, prompts))
+    assert diffs.mean() < MEAN_TOL and diffs.max() < MAX_TOL, REPORT["teacher_parity"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,16 +64,24 @@ def test_a_teacher_with_another_tokenizer_is_refused(tiny_path, tmp_path):
         check_same_tokenizer(tiny_path, {"odd": str(other)})
 
 
-def test_teacher_scores_equal_an_independent_forward(tiny_path):
-    """TeacherWorker (chunked, micro-batched) = log-softmax of a plain transformers forward at temperature T."""
+@pytest.mark.parametrize("engine", ["local", "sglang"])
+def test_teacher_scores_equal_an_independent_forward(tiny_path, tmp_path, engine):
+    """TeacherWorker = log-softmax of a plain transformers forward at temperature T: a local teacher (chunked,
+    micro-batched) and an SGLang teacher, whose server (here tests/fakes/sglang_server.py, SGLang's HTTP shapes)
+    answers prefill-only requests with input-token logprobs."""
     from transformers import AutoModelForCausalLM
 
     from opd.teacher import TeacherWorker
 
-    teacher = TeacherWorker("t", tiny_path, temperature=0.7, micro_batch_tokens=64)
+    fake = [sys.executable, str(Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py")]
+    teacher = TeacherWorker("t", tiny_path, engine, temperature=0.7, micro_batch_tokens=64,
+                            sglang={"launch_command": fake, "startup_timeout_s": 120}, log_dir=str(tmp_path))
     samples = [{"token_ids": list(range(5, 25)), "loss_mask": [0] * 8 + [1] * 12},
                {"token_ids": list(range(40, 47)), "loss_mask": [0, 0, 1, 1, 0, 1, 1]}]
-    scores = teacher.score(samples)
+    try:
+        scores = teacher.score(samples)
+    finally:
+        teacher.shutdown()
     model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
     for s, got in zip(samples, scores):
         ids = torch.tensor([s["token_ids"]])
