@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from models.glm5 import kernels
 from models.glm5.config import Glm5Config
 from models.glm5.indexer import Indexer, causal_indices, indexer_kl_loss
-from models.glm5.layers import RMSNorm, apply_rope, masked_softmax, valid_keys
-from models.glm5 import kernels
 from models.glm5.kernels.sparse_mla import sparse_mla_fused
+from models.glm5.layers import RMSNorm, apply_rope, masked_softmax, valid_keys
 from models.glm5.sparse_mla import sparse_mla
 
 

@@ -103,8 +103,8 @@ class MoE(nn.Module):
         Why: E separate matmuls with a different row count each cost a cuBLAS heuristic lookup and a launch per
         call (on the H200 the 8-layer kernel config spent more host time in aten::mm than the GPU spent on the
         whole step), and need the per-expert counts on the host (a sync). Each expert's rows start at a multiple
-        of 16 (padding rows are zero, belong to a group and are never read back), the alignment the grouped GEMM kernels want; the
-        buffer has a fixed upper size so nothing is read back to the host."""
+        of 16, the alignment the grouped GEMM kernels want (padding rows are zero, belong to a group and are never
+        read back); the buffer has a fixed upper size, so nothing is read back to the host."""
         n_pairs, dim, align = tokens.shape[0], flat.shape[-1], 16
         padded = (counts + align - 1) // align * align
         pad_end = padded.cumsum(0)
