@@ -38,6 +38,27 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _query(Q, b, s, h, c, r, hm, cm, rm, stride_qb, stride_qs, stride_qh, D_C: tl.constexpr):
+        """One query's absorbed heads split at d_c: q̃[:, :d_c] [BLOCK_H, BLOCK_C], q̃[:, d_c:] [BLOCK_H, BLOCK_R]."""
+        q_row = Q + b * stride_qb + s * stride_qs + h[:, None] * stride_qh
+        qc = tl.load(q_row + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+        qr = tl.load(q_row + D_C + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+        return qc, qr
+
+    @triton.jit
+    def _key_block(kv_b, idx_row, start, K_SEL, stride_kvt, c, r, cm, rm, D_C: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """Slots [start, start + BLOCK_N) of one query: their key indices (int64), validity, and the selected
+        latents read in place, split at d_c (invalid slots read as 0)."""
+        n = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_row + n, mask=n < K_SEL, other=-1)
+        valid = idx >= 0
+        key = idx[:, None].to(tl.int64)
+        kc = tl.load(kv_b + key * stride_kvt + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
+        kr = tl.load(kv_b + key * stride_kvt + D_C + r[None, :], mask=valid[:, None] & rm[None, :], other=0.0)
+        return key, valid, kc, kr
+
+    @triton.jit
     def _sparse_mla_fwd(Q, KV, IDX, O, LSE, S, H, K_SEL, scale_log2,
                         stride_qb, stride_qs, stride_qh, stride_kvb, stride_kvt, stride_ib, stride_is,
                         stride_ob, stride_os, stride_oh,
@@ -49,9 +70,7 @@ if triton is not None:
         c = tl.arange(0, BLOCK_C)
         r = tl.arange(0, BLOCK_R)
         hm, cm, rm = h < H, c < D_C, r < D_R
-        q_row = Q + b * stride_qb + s * stride_qs + h[:, None] * stride_qh
-        qc = tl.load(q_row + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
-        qr = tl.load(q_row + D_C + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+        qc, qr = _query(Q, b, s, h, c, r, hm, cm, rm, stride_qb, stride_qs, stride_qh, D_C)
         kv_b = KV + b * stride_kvb
         idx_row = IDX + b * stride_ib + s * stride_is
 
@@ -59,12 +78,7 @@ if triton is not None:
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
         for start in range(0, K_SEL, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_row + n, mask=n < K_SEL, other=-1)
-            valid = idx >= 0
-            key = kv_b + idx[:, None].to(tl.int64) * stride_kvt
-            kc = tl.load(key + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
-            kr = tl.load(key + D_C + r[None, :], mask=valid[:, None] & rm[None, :], other=0.0)
+            _, valid, kc, kr = _key_block(kv_b, idx_row, start, K_SEL, stride_kvt, c, r, cm, rm, D_C, BLOCK_N)
             a = (tl.dot(qc, tl.trans(kc)) + tl.dot(qr, tl.trans(kr))) * scale_log2
             a = tl.where(valid[None, :], a, float("-inf"))
             m_new = tl.maximum(m, tl.max(a, 1))
@@ -93,9 +107,7 @@ if triton is not None:
         c = tl.arange(0, BLOCK_C)
         r = tl.arange(0, BLOCK_R)
         hm, cm, rm = h < H, c < D_C, r < D_R
-        q_row = Q + b * stride_qb + s * stride_qs + h[:, None] * stride_qh
-        qc = tl.load(q_row + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
-        qr = tl.load(q_row + D_C + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+        qc, qr = _query(Q, b, s, h, c, r, hm, cm, rm, stride_qb, stride_qs, stride_qh, D_C)
         do = tl.load(DO + b * stride_ob + s * stride_os + h[:, None] * stride_oh + c[None, :],
                      mask=hm[:, None] & cm[None, :], other=0.0)
         lse = tl.load(LSE + row * H + h, mask=hm, other=float("inf"))
@@ -107,12 +119,7 @@ if triton is not None:
         dqc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
         dqr = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         for start in range(0, K_SEL, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_row + n, mask=n < K_SEL, other=-1)
-            valid = idx >= 0
-            key = idx[:, None].to(tl.int64)
-            kc = tl.load(kv_b + key * stride_kvt + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
-            kr = tl.load(kv_b + key * stride_kvt + D_C + r[None, :], mask=valid[:, None] & rm[None, :], other=0.0)
+            key, valid, kc, kr = _key_block(kv_b, idx_row, start, K_SEL, stride_kvt, c, r, cm, rm, D_C, BLOCK_N)
             a = (tl.dot(qc, tl.trans(kc)) + tl.dot(qr, tl.trans(kr))) * scale_log2
             p = tl.where(valid[None, :], tl.exp2(a - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(kc))
