@@ -6,6 +6,7 @@
     python bench/glm5.py --device cpu --config tiny --seqs 64 128 --steps 1    # a smoke run (the CPU test's)
     python bench/glm5.py --seqs 4096 --profile                                  # where a step's time goes
     python bench/glm5.py --seqs 8192 --only ours --sparse-kernel torch          # without the fused Triton kernel
+    python bench/glm5.py --seqs 8192 16384 --only ours --set masked_attn_max_keys=0   # never the masked path
 
 Per sequence length (batch 1): forward + backward of the next-token loss on random tokens (no optimiser step),
 `--steps` timed after one warm-up, training tokens/s and peak memory; a run that does not fit reports OOM. Each
@@ -50,6 +51,11 @@ def model_config(args, **changes) -> Glm5Config:
     fields["max_position_embeddings"] = max(fields.get("max_position_embeddings", 0), max(args.seqs))
     fields["dtype"] = "bfloat16" if args.device == "cuda" else "float32"
     fields["sparse_attn_kernel"] = args.sparse_kernel
+    for item in args.set:  # e.g. masked_attn_max_keys=0
+        key, _, value = item.partition("=")
+        if key not in Glm5Config.__dataclass_fields__:
+            raise SystemExit(f"--set: Glm5Config has no field {key!r}")
+        fields[key] = json.loads(value) if value[:1] in "-0123456789[{tfn" else value
     fields.update(changes)
     return Glm5Config(**fields)
 
@@ -98,7 +104,7 @@ def measured_peak_tflops(device: str) -> float:
     return 2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12
 
 
-def build(side: str, cfg: Glm5Config, device: str):
+def build(side: str, cfg: Glm5Config, device: str, hf_attn: str = "eager"):
     """The model, created on `device` (initialised there: a 1B model's CPU init would take longer than the run)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
@@ -109,7 +115,7 @@ def build(side: str, cfg: Glm5Config, device: str):
 
             torch.manual_seed(0)
             hf_cfg = GlmMoeDsaConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
-            hf_cfg._attn_implementation = "eager"
+            hf_cfg._attn_implementation = hf_attn
             model = GlmMoeDsaForCausalLM(hf_cfg)
     return model.to(dtype=dtype).train()
 
@@ -173,7 +179,7 @@ def profile(side: str, model, seq: int, args) -> None:
 
 def run_side(side: str, cfg: Glm5Config, args) -> list[dict]:
     """Every length on one model (one model on the GPU at a time, so each side's peak memory is its own)."""
-    model = build(side, cfg, args.device)
+    model = build(side, cfg, args.device, args.hf_attn)
     try:
         results = []
         for seq in args.seqs:  # each figure printed as it comes: a long run cut short still reports
@@ -200,6 +206,11 @@ def main() -> None:
     p.add_argument("--checkpointing", choices=["off", "on", "auto"], default="auto")
     p.add_argument("--sparse-kernel", choices=["auto", "torch"], default="auto",
                    help="ours' sparse attention: the fused Triton kernel where usable (auto) or the chunked torch path")
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="override Glm5Config fields of both models, e.g. masked_attn_max_keys=0 (never the masked "
+                        "path) or indexer_query_chunk=1024")
+    p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="transformers' attention (sdpa, its default, is its fastest here; both mask densely by the top-k)")
     p.add_argument("--index-share", action="store_true", help="also time ours with an indexer in every layer")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--profile", action="store_true", help="print each side's costliest operators at the first length")

@@ -16,7 +16,9 @@ all heads — instead of masking a dense [S, T] score matrix. Queries are proces
 through `SparseMLA` (models/glm5/sparse_mla.py: a hand-written backward that re-gathers once and scatters once),
 the dense ones (every causal key fits in top-k) are checkpointed; neither keeps gathered keys between passes.
 On a GPU in bf16 the sparse core is instead one fused Triton kernel over all queries that reads the selected
-latents in place (models/glm5/kernels/sparse_mla.py; `sparse_attn_kernel="torch"` keeps the chunked torch path).
+latents in place (models/glm5/kernels/sparse_mla.py; `sparse_attn_kernel="torch"` keeps the chunked torch path),
+and at short contexts (≤ `masked_attn_max_keys`, no KV cache) the un-absorbed form through SDPA with the selection
+as a boolean mask (`MLA.attend_masked`), which is faster there.
 
 Layer kinds (IndexShare, §4.5): a "full" layer owns an `Indexer` and selects S_t itself; a "shared" layer has no
 indexer weights and reuses the top-k of the last full layer (the *carry*) but projects and attends over its own
@@ -37,7 +39,7 @@ from models.glm5 import kernels
 from models.glm5.config import Glm5Config
 from models.glm5.indexer import Indexer, causal_indices, indexer_kl_loss
 from models.glm5.kernels.sparse_mla import sparse_mla_fused
-from models.glm5.layers import RMSNorm, apply_rope, masked_softmax, valid_keys
+from models.glm5.layers import RMSNorm, apply_rope, chunk_key_ends, masked_softmax, valid_keys
 from models.glm5.sparse_mla import sparse_mla
 
 
@@ -69,6 +71,17 @@ class AttnOut(NamedTuple):
     indexer_loss: tuple[torch.Tensor, torch.Tensor] | None  # (Σ_t KL, #tokens)
 
 
+class Queries(NamedTuple):
+    c_q: torch.Tensor  # [B, S, d_q] the normed query latent (the indexer reads it)
+    nope: torch.Tensor  # [B, S, H, d_n]
+    rope: torch.Tensor  # [B, S, H, d_r], RoPE applied
+
+
+# Queries per SDPA call of the masked path: its mask is [chunk, keys] booleans, and the last chunk's keys bound
+# how many pairs causality cannot skip (half of S², plus S · chunk / 2).
+MASKED_QUERY_CHUNK = 1024
+
+
 class MLA(nn.Module):
     def __init__(self, config: Glm5Config, layer_idx: int, has_indexer: bool):
         super().__init__()
@@ -82,6 +95,7 @@ class MLA(nn.Module):
         if config.sparse_attn_kernel not in ("auto", "torch"):
             raise ValueError(f"sparse_attn_kernel must be 'auto' or 'torch', got {config.sparse_attn_kernel!r}")
         self.kernel = config.sparse_attn_kernel
+        self.masked_max_keys = config.masked_attn_max_keys
         bias = config.attention_bias
         self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.latent_norm_eps)
@@ -99,15 +113,18 @@ class MLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.d_nope + self.d_v, self.d_c)
         return w[:, :self.d_nope], w[:, self.d_nope:]
 
-    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c_q [B, S, d_q], absorbed queries q̃ [B, S, H, d_c + d_r])."""
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Queries:
+        """c_q [B, S, d_q] (the indexer's input) and the per-head query parts, RoPE applied to q_r."""
         b, s, _ = x.shape
         c_q = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(c_q).view(b, s, self.n_heads, self.d_nope + self.d_rope)
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
+        return Queries(c_q, q_nope, apply_rope(q_rope, cos, sin))
+
+    def absorb(self, q: Queries) -> torch.Tensor:
+        """Absorbed queries q̃ [B, S, H, d_c + d_r] = [W_UK,hᵀ q_n,h ; q_r,h]."""
         w_uk, _ = self._w_uk_uv()
-        q_lat = torch.einsum("bshn,hnc->bshc", q_nope, w_uk)
-        return c_q, torch.cat([q_lat, apply_rope(q_rope, cos, sin)], dim=-1)
+        return torch.cat([torch.einsum("bshn,hnc->bshc", q.nope, w_uk), q.rope], dim=-1)
 
     def latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[c_kv ; k_r] [B, S, d_c + d_r]: the 576 numbers per token the KV cache stores."""
@@ -164,6 +181,44 @@ class MLA(nn.Module):
         o = torch.cat(outs, dim=1)
         return o.flatten(2)
 
+    def use_masked(self, q: Queries, num_keys: int, cache) -> bool:
+        """The masked path: a GPU forward without a KV cache over at most `masked_attn_max_keys` keys."""
+        return (self.kernel == "auto" and cache is None and num_keys <= self.masked_max_keys
+                and kernels.usable(q.nope) and not kernels.interpreted())
+
+    def attend_masked(self, q: Queries, latents: torch.Tensor, selection: torch.Tensor | None,
+                      query_index: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """The same attention un-absorbed, through SDPA with the selection as a boolean mask → [B, S, H·d_v].
+
+        Per head K = [k_n ; k_r] and V from kv_b_proj(c_kv); a query may attend to key s iff s ∈ S_t (or, with
+        selection None, s is in its causal prefix), and padding keys never. Queries go in chunks of
+        MASKED_QUERY_CHUNK, each against the keys up to its last query only, so causality skips about half the
+        pairs; the [chunk, keys] mask is all that is built.
+
+        Why: at short contexts the top-k covers a large share of each prefix (2,048 of ≤ 8K keys), and a flash
+        kernel over every pair of a chunk, with the mask applied in its tiles (cuDNN's, through SDPA), beats
+        reading 2,048 gathered latents per query for 16 heads; at long contexts the gather wins by far. The
+        crossover was measured on the H200 (docs/BENCHMARKS.md) and sets `masked_attn_max_keys`."""
+        b, s, h, _ = q.nope.shape
+        t = latents.shape[1]
+        c_kv, k_rope = latents.split([self.d_c, self.d_rope], dim=-1)
+        k_nope, v = self.kv_b_proj(c_kv).view(b, t, h, self.d_nope + self.d_v).split([self.d_nope, self.d_v], -1)
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, h, -1)], dim=-1).transpose(1, 2)  # [B, H, T, d]
+        v = v.transpose(1, 2)
+        qq = torch.cat([q.nope, q.rope], dim=-1).transpose(1, 2)  # [B, H, S, d]
+        outs = []
+        for a, end in zip(range(0, s, MASKED_QUERY_CHUNK), chunk_key_ends(query_index, MASKED_QUERY_CHUNK)):
+            qi = query_index[:, a:a + MASKED_QUERY_CHUNK]
+            sel = None if selection is None else selection[:, a:a + MASKED_QUERY_CHUNK]
+            allowed = allowed_keys(sel, qi, key_mask, end)
+            empty = ~allowed.any(-1, keepdim=True)  # e.g. a padding query: give it one key, zero its output
+            allowed[..., :1] |= empty
+            o = F.scaled_dot_product_attention(qq[:, :, a:a + MASKED_QUERY_CHUNK], k[:, :, :end], v[:, :, :end],
+                                               attn_mask=allowed[:, None], scale=self.scale,
+                                               dropout_p=self.dropout if self.training else 0.0)
+            outs.append(o.transpose(1, 2).masked_fill(empty[..., None], 0.0))
+        return torch.cat(outs, dim=1).flatten(2)
+
     def head_summed_probs(self, q: torch.Tensor, kv: torch.Tensor, key_idx: torch.Tensor,
                           query_index: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """p_t over the keys key_idx [B, c, K]: the attention distribution summed over heads, L1-normalised
@@ -184,7 +239,8 @@ class MLA(nn.Module):
         `replay` [B, S, k]: use these key indices instead of running the indexer (train = rollout).
         `shared_kv`: attend over these latents instead of our own (MTP steps ≥ 2); with `share_selection` their
         selection is reused too, else our indexer scores our queries against their index keys."""
-        c_q, q = self.queries(x, ctx.cos, ctx.sin)
+        queries = self.queries(x, ctx.cos, ctx.sin)
+        c_q = queries.c_q
         cache = ctx.cache if shared_kv is None else None
         if shared_kv is None:
             latents = self.latents(x, ctx.cos, ctx.sin)
@@ -220,9 +276,13 @@ class MLA(nn.Module):
             else:
                 selection = self._run_indexer(x, c_q, index_keys, ctx)
             if ctx.indexer_loss is not None:
-                loss = self._indexer_loss(x, c_q, q, latents, selection, ctx)
+                loss = self._indexer_loss(x, c_q, self.absorb(queries), latents, selection, ctx)
 
-        out = self.o_proj(self.attend(q, latents, selection, ctx.query_index, ctx.key_mask))
+        if self.use_masked(queries, num_keys, cache):
+            o = self.attend_masked(queries, latents, selection, ctx.query_index, ctx.key_mask)
+        else:
+            o = self.attend(self.absorb(queries), latents, selection, ctx.query_index, ctx.key_mask)
+        out = self.o_proj(o)
         return AttnOut(out, selection, latents, index_keys, loss)
 
     @torch.no_grad()
@@ -248,6 +308,18 @@ class MLA(nn.Module):
         selected = selection if ctx.indexer_loss == "sparse" else None
         return indexer_kl_loss(self.indexer, q_idx, w_idx, k_idx, probs, ctx.query_index, ctx.key_mask, selected,
                                self.chunk)
+
+
+def allowed_keys(selection: torch.Tensor | None, query_index: torch.Tensor, key_mask: torch.Tensor | None,
+                 num_keys: int) -> torch.Tensor:
+    """[B, c, num_keys] booleans: which keys each query attends to (its valid selected slots, or with selection
+    None its causal prefix), padding keys excluded."""
+    if selection is None:
+        return causal_indices(query_index, key_mask, num_keys) >= 0
+    ok = valid_keys(selection, query_index, key_mask) & (selection < num_keys)
+    slots = torch.where(ok, selection, num_keys)  # invalid slots land in a spare column, then dropped
+    allowed = torch.zeros(*selection.shape[:2], num_keys + 1, dtype=torch.bool, device=selection.device)
+    return allowed.scatter_(-1, slots, True)[..., :num_keys]
 
 
 def materialize_selection(selection: torch.Tensor | None, query_index: torch.Tensor, key_mask: torch.Tensor | None,

@@ -108,8 +108,15 @@ class Glm5Config:
     attn_query_chunk: int = _impl(256)  # queries per sparse-attention chunk (gathered KV: chunk × topk × 576)
     moe_impl: str = _impl("auto")  # "auto": grouped GEMMs on CUDA, a loop over experts on CPU; "loop"; "grouped"
     sparse_attn_kernel: str = _impl("auto")  # "auto": fused Triton on CUDA in bf16/fp16, else torch; "torch"
-    indexer_query_chunk: int = _impl(256)  # queries per indexer scoring chunk
+    # with "auto", a GPU forward without a KV cache over at most this many keys runs SDPA with the selection as a
+    # boolean mask instead (faster there: models.glm5.attention.MLA.attend_masked); 0 = never
+    masked_attn_max_keys: int = _impl(12288)
+    indexer_query_chunk: int = _impl(256)  # queries per indexer scoring chunk (torch path)
     indexer_key_block: int = _impl(4096)  # keys per indexer scoring block (scores: q_chunk × heads × block)
+    # the same with the fused scores kernel, which writes no per-head scores (q_chunk × block): larger blocks, far
+    # fewer top-k merges and launches (docs/BENCHMARKS.md: 8K 27.1k → 34.2k tokens/s on the H200)
+    indexer_fused_query_chunk: int = _impl(2048)
+    indexer_fused_key_block: int = _impl(8192)
 
     def __post_init__(self):
         derived = self.qk_nope_head_dim + self.qk_rope_head_dim

@@ -28,7 +28,7 @@ from torch import nn
 from models.glm5 import kernels
 from models.glm5.config import Glm5Config
 from models.glm5.kernels.indexer import index_scores_fused
-from models.glm5.layers import apply_rope
+from models.glm5.layers import apply_rope, chunk_key_ends
 
 
 class Indexer(nn.Module):
@@ -42,8 +42,8 @@ class Indexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.indexer_norm_eps)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
-        self.query_chunk = config.indexer_query_chunk
-        self.key_block = config.indexer_key_block
+        self.blocks = {"torch": (config.indexer_query_chunk, config.indexer_key_block),
+                       "fused": (config.indexer_fused_query_chunk, config.indexer_fused_key_block)}
 
     def _rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first d_r dims ("rope first" in the indexer, "nope first" in MLA)."""
@@ -82,14 +82,15 @@ class Indexer(nn.Module):
         t_all = k.shape[1]
         width = min(self.topk, t_all)
         out = torch.full((b, s, width), -1, dtype=torch.long, device=q.device)
-        for a in range(0, s, self.query_chunk):
-            qi = query_index[:, a:a + self.query_chunk]
-            q_c, w_c = q[:, a:a + self.query_chunk], w[:, a:a + self.query_chunk]
-            key_end = int(qi.max()) + 1  # keys after the chunk's last query are invisible to all of it
+        chunk, key_block = self.blocks["fused" if kernels.usable(q) else "torch"]
+        key_ends = chunk_key_ends(query_index, chunk)  # later keys are invisible to a whole chunk
+        for a, key_end in zip(range(0, s, chunk), key_ends):
+            qi = query_index[:, a:a + chunk]
+            q_c, w_c = q[:, a:a + chunk], w[:, a:a + chunk]
             best_v = torch.full((b, qi.shape[1], width), float("-inf"), device=q.device)
             best_i = torch.full((b, qi.shape[1], width), -1, dtype=torch.long, device=q.device)
-            for t0 in range(0, key_end, self.key_block):
-                t1 = min(t0 + self.key_block, key_end)
+            for t0 in range(0, key_end, key_block):
+                t1 = min(t0 + key_block, key_end)
                 pos = torch.arange(t0, t1, device=q.device)
                 v = self.scores(q_c, w_c, k[:, t0:t1])
                 ok = pos <= qi[..., None]

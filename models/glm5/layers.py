@@ -61,6 +61,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
+def chunk_key_ends(query_index: torch.Tensor, chunk: int) -> list[int]:
+    """For queries taken `chunk` at a time: how many keys each chunk can see at most (1 + the largest query index
+    up to its end; a prefix maximum, so never too small even if positions are not increasing), in one host sync
+    instead of one per chunk (each sync stalls the GPU's queue)."""
+    s = query_index.shape[1]
+    last = torch.arange(chunk - 1, s + chunk - 1, chunk, device=query_index.device).clamp(max=s - 1)
+    return (query_index.amax(0).cummax(0).values[last] + 1).tolist()
+
+
 def valid_keys(idx: torch.Tensor, query_index: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
     """Which gathered key slots a query may attend to.
 

@@ -34,8 +34,9 @@ def check_index_scores(dtype: torch.dtype, device: str) -> None:
     assert got.dtype == torch.float32 and got.shape == (2, 70, 90)
     assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()
 
-    # through Indexer.select: the streamed top-k equals the top-k of the reference scores (fp32: no ties)
-    cfg = Glm5Config(**dict(TINY_CONFIG, vocab_size=64, indexer_key_block=32, indexer_query_chunk=16))
+    # through Indexer.select (several query chunks and key blocks): the streamed top-k equals the top-k of the
+    # reference scores (fp32: no ties)
+    cfg = Glm5Config(**dict(TINY_CONFIG, vocab_size=64, indexer_fused_key_block=32, indexer_fused_query_chunk=16))
     indexer = Indexer(cfg).to(device, dtype)
     x = torch.randn(1, 50, cfg.hidden_size, generator=g).to(device, dtype)
     c_q = torch.randn(1, 50, cfg.q_lora_rank, generator=g).to(device, dtype)

@@ -77,8 +77,9 @@ def check_triton_against_naive(dtype: torch.dtype, device: str) -> None:
     """The fused kernels' output and both gradients against the naive loop (fp64): padded heads (5 → 16), a
     rope width that is not a block size, slots spanning several key blocks with a partial last one, duplicates,
     −1, causally later and padded slots, and a query that sees nothing; then a whole tiny GLM-5.2 model
-    (sequence > top-k, so its sparse layers run) with the kernel against the chunked torch path (twice the
-    tolerance: in bf16 the two paths round p and ds at different points, and that adds up over eight layers)."""
+    (sequence > top-k, so its sparse layers run) with the kernel, and on a GPU with MLA's masked path: each
+    against the chunked torch path in fp32, allowed twice the torch path's own error in the same dtype (in bf16
+    the paths round at different points, and that adds up over eight layers) or twice the tolerance."""
     from models.glm5.kernels import usable
     from models.glm5.kernels.sparse_mla import sparse_mla_fused
 
@@ -102,18 +103,26 @@ def check_triton_against_naive(dtype: torch.dtype, device: str) -> None:
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    grads, routing = {}, {}
-    for kernel in ("torch", "auto"):  # the second replays the first's top-k and experts (bf16 could flip them)
+    errors, routing, reference = {}, {}, None
+    paths = {"torch": dict(sparse_attn_kernel="torch"), "kernel": dict(masked_attn_max_keys=0)}
+    if device == "cuda":  # MLA's masked path (SDPA) is what "auto" runs at this length on a GPU
+        paths["masked"] = {}
+    for name, knobs in {"fp32": dict(sparse_attn_kernel="torch"), **paths}.items():
         cfg = Glm5Config(**dict(TINY_CONFIG, vocab_size=512, pad_token_id=None, bos_token_id=None,
-                                eos_token_id=None, sparse_attn_kernel=kernel))
-        model = build_random(cfg).to(device, dtype)
+                                eos_token_id=None, **knobs))
+        model = build_random(cfg).to(device, torch.float32 if name == "fp32" else dtype)
         out = model(input_ids=ids, attention_mask=mask, return_routing=True, **routing)
-        routing = dict(indexer_topk=out.indexer_topk, routed_experts=out.routed_experts)
+        routing = dict(indexer_topk=out.indexer_topk, routed_experts=out.routed_experts)  # replayed by the rest
         (out.logits.float() * mask[..., None]).square().mean().backward()
-        grads[kernel] = [out.logits.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
-    for i, (g, w) in enumerate(zip(grads["auto"], grads["torch"])):
-        err = (g - w).abs().max().item() / max(w.abs().max().item(), 1e-6)
-        assert err <= 2 * tol, f"model tensor {i} (0 = logits, then parameter gradients): relative error {err:.2e}"
+        tensors = [out.logits.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+        if reference is None:
+            reference = [t.float() for t in tensors]
+        errors[name] = [((g.float() - w).abs().max() / w.abs().max().clamp(min=1e-6)).item()
+                        for g, w in zip(tensors, reference)]
+    for name in list(paths)[1:]:  # as close to fp32 as the torch path in the same dtype is, or within 2 · tol
+        for i, (err, own) in enumerate(zip(errors[name], errors["torch"])):
+            assert err <= max(2 * own, 2 * tol), \
+                f"{name}: model tensor {i} (0 = logits, then gradients): error {err:.2e} (torch path: {own:.2e})"
 
 
 def test_triton_kernels_match_a_naive_loop_in_the_interpreter():
