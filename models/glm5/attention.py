@@ -191,7 +191,8 @@ class MLA(nn.Module):
         """The same attention un-absorbed, through SDPA with the selection as a boolean mask → [B, S, H·d_v].
 
         Per head K = [k_n ; k_r] and V from kv_b_proj(c_kv); a query may attend to key s iff s ∈ S_t (or, with
-        selection None, s is in its causal prefix), and padding keys never. Queries go in chunks of
+        selection None, s is in its causal prefix), and padding keys never (a key selected twice counts once here,
+        twice when gathered; the indexer's top-k never repeats one). Queries go in chunks of
         MASKED_QUERY_CHUNK, each against the keys up to its last query only, so causality skips about half the
         pairs; the [chunk, keys] mask is all that is built.
 
