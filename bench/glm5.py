@@ -55,7 +55,10 @@ def model_config(args, **changes) -> Glm5Config:
         key, _, value = item.partition("=")
         if key not in Glm5Config.__dataclass_fields__:
             raise SystemExit(f"--set: Glm5Config has no field {key!r}")
-        fields[key] = json.loads(value) if value[:1] in "-0123456789[{tfn" else value
+        try:
+            fields[key] = json.loads(value)  # numbers, true/false/null, lists
+        except ValueError:
+            fields[key] = value  # a plain string, e.g. sparse_attn_kernel=torch
     fields.update(changes)
     return Glm5Config(**fields)
 
@@ -104,7 +107,7 @@ def measured_peak_tflops(device: str) -> float:
     return 2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12
 
 
-def build(side: str, cfg: Glm5Config, device: str, hf_attn: str = "eager"):
+def build(side: str, cfg: Glm5Config, device: str, hf_attn: str = "sdpa"):
     """The model, created on `device` (initialised there: a 1B model's CPU init would take longer than the run)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
