@@ -1,7 +1,7 @@
 """One layer's sparse attention core, fused Triton kernel against the chunked torch path, forward and backward.
 
     python bench/sparse_mla.py                          # H200: 4K-32K tokens, top-k 2048, GLM-5.2's 576-wide latents
-    python bench/sparse_mla.py --seqs 8192 --tune       # also time other key-block sizes and warp counts
+    python bench/sparse_mla.py --seqs 8192 --tune       # also time other key blocks, warps and pipeline depths
 
 Inputs as in the model (GLM52.md §9B: 16 heads, d_c 512 + d_r 64, bf16): q̃ [1, S, H, 576], kv [1, S, 576] and
 each query's top-k selection of its causal prefix (random scores, −1 where fewer than k keys exist). The torch
@@ -76,7 +76,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--tune", action="store_true", help="time other key blocks / warp counts at the first length")
+    p.add_argument("--tune", action="store_true", help="time other key blocks, warps, pipeline depths at the first length")
     args = p.parse_args()
     d_c, d_r, h = 512, 64, args.heads
     scale = 1 / math.sqrt(192 + d_r)
@@ -93,15 +93,17 @@ def main() -> None:
               f"fwd+bwd {plain[1] / fused[1]:.1f}x", flush=True)
         if args.tune and seq == args.seqs[0]:
             base = {k: dict(v) for k, v in fused_kernel.LAUNCH.items()}
-            for kind, block, warps in itertools.product(["fwd", "bwd"], [16, 32, 64, 128], [4, 8]):
-                fused_kernel.LAUNCH[kind] = dict(BLOCK_N=block, num_warps=warps)
-                try:
-                    t = measure(fused_kernel.sparse_mla_fused, q, kv, sel, qi, scale, d_c, args.reps)
-                    print(f"  {kind} BLOCK_N {block:>3} warps {warps}: fwd {t[0]:7.2f} ms, fwd+bwd {t[1]:7.2f} ms",
-                          flush=True)
-                except Exception as e:  # e.g. out of shared memory at the largest blocks
-                    print(f"  {kind} BLOCK_N {block:>3} warps {warps}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                fused_kernel.LAUNCH.update({k: dict(v) for k, v in base.items()})
+            blocks = [dict(BLOCK_N=n, num_warps=w) for n, w in itertools.product([16, 32, 64, 128], [4, 8])]
+            for kind in ("fwd", "bwd"):  # then pipelining depths at the kind's own tuned block
+                for launch in blocks + [dict(base[kind], num_stages=stages) for stages in (1, 2, 3, 4)]:
+                    fused_kernel.LAUNCH[kind] = launch
+                    label = f"  {kind} " + " ".join(f"{k} {v}" for k, v in launch.items())
+                    try:
+                        t = measure(fused_kernel.sparse_mla_fused, q, kv, sel, qi, scale, d_c, args.reps)
+                        print(f"{label}: fwd {t[0]:7.2f} ms, fwd+bwd {t[1]:7.2f} ms", flush=True)
+                    except Exception as e:  # e.g. out of shared memory at the largest blocks
+                        print(f"{label}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    fused_kernel.LAUNCH.update({k: dict(v) for k, v in base.items()})
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def launch(table: dict, kind: str) -> dict:
-    """A kernel's launch options from its tuning table (the interpreter takes no num_warps)."""
+    """A kernel's launch options from its tuning table (the interpreter takes no num_warps or num_stages)."""
     cfg = dict(table[kind])
     if interpreted():
         cfg.pop("num_warps", None)
+        cfg.pop("num_stages", None)
     return cfg
