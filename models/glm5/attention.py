@@ -27,7 +27,7 @@ KV. Selection `None` means "every causal key" (all keys fit in top-k), the dense
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -39,7 +39,7 @@ from models.glm5 import kernels
 from models.glm5.config import Glm5Config
 from models.glm5.indexer import Indexer, causal_indices, indexer_kl_loss
 from models.glm5.kernels.sparse_mla import sparse_mla_fused
-from models.glm5.layers import RMSNorm, apply_rope, chunk_key_ends, masked_softmax, valid_keys
+from models.glm5.layers import RMSNorm, apply_rope, chunk_key_ends, key_bounds, masked_softmax, valid_keys
 from models.glm5.sparse_mla import sparse_mla
 
 
@@ -53,6 +53,14 @@ class AttnContext:
     cache: object | None = None  # anything with update(keys, values, slot) → (all_keys, all_values)
     index_slot_offset: int = 0  # cache slot of layer i's indexer keys = offset + i
     indexer_loss: str | None = None  # None | "dense" | "sparse": DSA warm-up loss on full layers
+    _bounds: torch.Tensor | None = field(default=None, repr=False)
+
+    def key_bounds(self) -> torch.Tensor:
+        """`layers.key_bounds(query_index)`, read to the host once per forward (every layer and every checkpoint
+        recompute shares it)."""
+        if self._bounds is None:
+            self._bounds = key_bounds(self.query_index)
+        return self._bounds
 
 
 @dataclass
@@ -187,14 +195,15 @@ class MLA(nn.Module):
                 and kernels.usable(q.nope) and not kernels.interpreted())
 
     def attend_masked(self, q: Queries, latents: torch.Tensor, selection: torch.Tensor | None,
-                      query_index: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+                      query_index: torch.Tensor, key_mask: torch.Tensor | None,
+                      bounds: torch.Tensor | None = None) -> torch.Tensor:
         """The same attention un-absorbed, through SDPA with the selection as a boolean mask → [B, S, H·d_v].
 
         Per head K = [k_n ; k_r] and V from kv_b_proj(c_kv); a query may attend to key s iff s ∈ S_t (or, with
         selection None, s is in its causal prefix), and padding keys never (a key selected twice counts once here,
         twice when gathered; the indexer's top-k never repeats one). Queries go in chunks of
         MASKED_QUERY_CHUNK, each against the keys up to its last query only, so causality skips about half the
-        pairs; the [chunk, keys] mask is all that is built.
+        pairs; the [chunk, keys] mask is all that is built. `bounds`: `key_bounds(query_index)` if already known.
 
         Why: at short contexts the top-k covers a large share of each prefix (2,048 of ≤ 8K keys), and a flash
         kernel over every pair of a chunk, with the mask applied in its tiles (cuDNN's, through SDPA), beats
@@ -207,16 +216,20 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, h, -1)], dim=-1).transpose(1, 2)  # [B, H, T, d]
         v = v.transpose(1, 2)
         qq = torch.cat([q.nope, q.rope], dim=-1).transpose(1, 2)  # [B, H, S, d]
+        ends = chunk_key_ends(key_bounds(query_index) if bounds is None else bounds, MASKED_QUERY_CHUNK)
+        # the chunks' queries by split and their keys by `prefixes`: each gradient is then assembled once (a cat,
+        # a sum into one buffer), not zero-filled to full size and added per chunk as slicing would have autograd do
+        q_chunks = qq.split(MASKED_QUERY_CHUNK, dim=2)
+        k_prefixes, v_prefixes = prefixes(k, ends), prefixes(v, ends)
         outs = []
-        for a, end in zip(range(0, s, MASKED_QUERY_CHUNK), chunk_key_ends(query_index, MASKED_QUERY_CHUNK)):
+        for i, (a, end) in enumerate(zip(range(0, s, MASKED_QUERY_CHUNK), ends)):
             qi = query_index[:, a:a + MASKED_QUERY_CHUNK]
             sel = None if selection is None else selection[:, a:a + MASKED_QUERY_CHUNK]
             allowed = allowed_keys(sel, qi, key_mask, end)
             empty = ~allowed.any(-1, keepdim=True)  # e.g. a padding query: give it one key, zero its output
             allowed[..., :1] |= empty
-            o = F.scaled_dot_product_attention(qq[:, :, a:a + MASKED_QUERY_CHUNK], k[:, :, :end], v[:, :, :end],
-                                               attn_mask=allowed[:, None], scale=self.scale,
-                                               dropout_p=self.dropout if self.training else 0.0)
+            o = F.scaled_dot_product_attention(q_chunks[i], k_prefixes[i], v_prefixes[i], attn_mask=allowed[:, None],
+                                               scale=self.scale, dropout_p=self.dropout if self.training else 0.0)
             outs.append(o.transpose(1, 2).masked_fill(empty[..., None], 0.0))
         return torch.cat(outs, dim=1).flatten(2)
 
@@ -280,7 +293,7 @@ class MLA(nn.Module):
                 loss = self._indexer_loss(x, c_q, self.absorb(queries), latents, selection, ctx)
 
         if self.use_masked(queries, num_keys, cache):
-            o = self.attend_masked(queries, latents, selection, ctx.query_index, ctx.key_mask)
+            o = self.attend_masked(queries, latents, selection, ctx.query_index, ctx.key_mask, ctx.key_bounds())
         else:
             o = self.attend(self.absorb(queries), latents, selection, ctx.query_index, ctx.key_mask)
         out = self.o_proj(o)
@@ -289,7 +302,7 @@ class MLA(nn.Module):
     @torch.no_grad()
     def _run_indexer(self, x, c_q, index_keys, ctx: AttnContext) -> torch.Tensor:
         return self.indexer.select(self.indexer.queries(c_q, ctx.cos, ctx.sin), self.indexer.head_weights(x),
-                                   index_keys, ctx.query_index, ctx.key_mask)
+                                   index_keys, ctx.query_index, ctx.key_mask, ctx.key_bounds())
 
     def _indexer_loss(self, x, c_q, q, latents, selection, ctx: AttnContext):
         """DSA warm-up KL on detached inputs (gradient reaches only the indexer)."""
@@ -309,6 +322,31 @@ class MLA(nn.Module):
         selected = selection if ctx.indexer_loss == "sparse" else None
         return indexer_kl_loss(self.indexer, q_idx, w_idx, k_idx, probs, ctx.query_index, ctx.key_mask, selected,
                                self.chunk)
+
+
+class _Prefixes(torch.autograd.Function):
+    """x[:, :, :e] for each e in `ends` (views); backward sums the prefixes' gradients into one buffer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ends: list[int]):
+        ctx.shape, ctx.ends = x.shape, ends
+        return tuple(x[:, :, :e] for e in ends)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = None
+        for g, e in zip(grads, ctx.ends):
+            if g is None:
+                continue
+            if out is None:
+                out = g.new_zeros(ctx.shape)
+            out[:, :, :e] += g
+        return out, None
+
+
+def prefixes(x: torch.Tensor, ends: list[int]) -> tuple[torch.Tensor, ...]:
+    """The leading `e` entries of x's third axis, for each e in `ends`."""
+    return _Prefixes.apply(x, ends)
 
 
 def allowed_keys(selection: torch.Tensor | None, query_index: torch.Tensor, key_mask: torch.Tensor | None,

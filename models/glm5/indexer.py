@@ -28,7 +28,7 @@ from torch import nn
 from models.glm5 import kernels
 from models.glm5.config import Glm5Config
 from models.glm5.kernels.indexer import index_scores_fused
-from models.glm5.layers import apply_rope, chunk_key_ends
+from models.glm5.layers import apply_rope, chunk_key_ends, key_bounds
 
 
 class Indexer(nn.Module):
@@ -72,18 +72,20 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def select(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, query_index: torch.Tensor,
-               key_mask: torch.Tensor | None) -> torch.Tensor:
+               key_mask: torch.Tensor | None, bounds: torch.Tensor | None = None) -> torch.Tensor:
         """Streaming top-k → key indices [B, S, min(topk, T)] on the cache axis, −1 where no valid key was left.
 
         q [B, S, H_I, d_I], w [B, S, H_I], k [B, T, d_I] (the cached keys plus the new ones), query_index [B, S]
-        the queries' own positions on the cache axis, key_mask [B, T] (1 = real token) or None.
+        the queries' own positions on the cache axis, key_mask [B, T] (1 = real token) or None, bounds
+        `layers.key_bounds(query_index)` if already known.
         """
         b, s = q.shape[:2]
         t_all = k.shape[1]
         width = min(self.topk, t_all)
         out = torch.full((b, s, width), -1, dtype=torch.long, device=q.device)
         chunk, key_block = self.blocks["fused" if kernels.usable(q) else "torch"]
-        key_ends = chunk_key_ends(query_index, chunk)  # later keys are invisible to a whole chunk
+        # keys past a chunk's last query are invisible to all of it
+        key_ends = chunk_key_ends(key_bounds(query_index) if bounds is None else bounds, chunk)
         for a, key_end in zip(range(0, s, chunk), key_ends):
             qi = query_index[:, a:a + chunk]
             q_c, w_c = q[:, a:a + chunk], w[:, a:a + chunk]

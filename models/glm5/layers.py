@@ -61,13 +61,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def chunk_key_ends(query_index: torch.Tensor, chunk: int) -> list[int]:
-    """For queries taken `chunk` at a time: how many keys each chunk can see at most (1 + the largest query index
-    up to its end; a prefix maximum, so never too small even if positions are not increasing), in one host sync
-    instead of one per chunk (each sync stalls the GPU's queue)."""
-    s = query_index.shape[1]
-    last = torch.arange(chunk - 1, s + chunk - 1, chunk, device=query_index.device).clamp(max=s - 1)
-    return (query_index.amax(0).cummax(0).values[last] + 1).tolist()
+def key_bounds(query_index: torch.Tensor) -> torch.Tensor:
+    """[S] int64 on the host: how many keys the queries up to each position can see at most (1 + the largest query
+    index so far; a prefix maximum, so never too small even if positions are not increasing). One host sync; the
+    loops that walk queries in chunks read their key bounds from it instead of syncing once per chunk (each sync
+    drains the GPU's queue)."""
+    return (query_index.amax(0).cummax(0).values + 1).cpu()
+
+
+def chunk_key_ends(bounds: torch.Tensor, chunk: int) -> list[int]:
+    """The key bound of each `chunk`-query chunk, from `key_bounds`."""
+    s = bounds.shape[0]
+    return bounds[[min(a + chunk, s) - 1 for a in range(0, s, chunk)]].tolist()
 
 
 def valid_keys(idx: torch.Tensor, query_index: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:

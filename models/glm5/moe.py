@@ -21,6 +21,7 @@ recomputed from σ at those ids (so the router still gets gradients).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.glm5.config import Glm5Config
@@ -112,7 +113,7 @@ class MoE(nn.Module):
         pos = (pad_end - padded)[expert] + torch.arange(n_pairs, device=flat.device) - first[expert]
         rows = n_pairs + (align - 1) * self.n_experts
         x = flat.new_zeros(rows, dim).index_copy(0, pos, flat[tokens])
-        offs = torch.cat([pad_end[:-1], pad_end.new_tensor([rows])]).to(torch.int32)  # the tail: last expert's
+        offs = F.pad(pad_end[:-1], (0, 1), value=rows).to(torch.int32)  # the tail rows: the last expert's
         w_gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
         w_down = torch.stack([e.down_proj.weight for e in self.experts])
         gate, up = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
@@ -126,13 +127,15 @@ class MoE(nn.Module):
         gates, ids = self.gate(flat, None if replay is None else replay.reshape(-1, replay.shape[-1]))
         k = ids.shape[-1]
         # dispatch: sort the N·k (token, expert) pairs by expert, run each expert once on its tokens
-        order = ids.flatten().argsort(stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        # counted by a scatter, not bincount: bincount reads its maximum to the host, a sync in every MoE layer
+        counts = flat_ids.new_zeros(self.n_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         tokens = order // k
         weights = gates.flatten()[order]
         y = torch.zeros_like(flat)
         if self.use_grouped(flat):
-            out = self._grouped_experts(flat, tokens, ids.flatten()[order], counts)
+            out = self._grouped_experts(flat, tokens, flat_ids[order], counts)
             y.index_add_(0, tokens, (out * weights[:, None]).to(y.dtype))
         else:
             start = 0
