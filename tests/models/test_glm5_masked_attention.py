@@ -71,3 +71,16 @@ def test_allowed_keys_against_a_loop():
         for t in range(sel.shape[1]):
             want = {int(s) for s in sel[b, t] if 0 <= s <= qi[b, t] and key_mask[b, s] == 1}
             assert set(got[b, t].nonzero().flatten().tolist()) == want
+
+
+def test_prefixes_gradients_equal_slicing():
+    from models.glm5.attention import prefixes
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 10, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = [torch.randn(2, 3, e, 4, generator=g, dtype=torch.float64) for e in (3, 7, 10)]
+    parts = prefixes(x, [3, 7, 10])
+    assert all(p.shape[2] == e for p, e in zip(parts, (3, 7, 10)))
+    got, = torch.autograd.grad((parts[0] * w[0]).sum() + (parts[2] * w[2]).sum(), x)  # the middle one unused
+    want, = torch.autograd.grad((x[:, :, :3] * w[0]).sum() + (x[:, :, :10] * w[2]).sum(), x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
