@@ -85,8 +85,9 @@ class Queries(NamedTuple):
     rope: torch.Tensor  # [B, S, H, d_r], RoPE applied
 
 
-# Queries per SDPA call of the masked path: its mask is [chunk, keys] booleans, and the last chunk's keys bound
-# how many pairs causality cannot skip (half of S², plus S · chunk / 2).
+# Queries per SDPA call of the masked path: its mask is [chunk, keys] booleans, and each chunk attends to every key
+# up to its last query, so about S²/2 + S·chunk/2 pairs are computed (S²/2 are causal). Smaller chunks waste fewer
+# pairs but launch more and sum more gradient pieces.
 MASKED_QUERY_CHUNK = 1024
 
 
