@@ -226,7 +226,10 @@ class RouterProcess(ManagedProcess):
         super().__init__(name, **process)
         self.worker_urls = list(worker_urls)
         self.policy = policy
-        self.args = {"health-check-interval-secs": 5, "log-level": "warn", **(args or {})}
+        # its Prometheus exporter defaults to port 29000 on every interface: a second router on the node (another
+        # fleet, a test run next to a training run) would fail to start on it, so it gets a free port too
+        self.args = {"health-check-interval-secs": 5, "log-level": "warn", "prometheus-port": free_port(),
+                     **(args or {})}
         self.command = [sys.executable if c == "python" else c for c in launch_command]
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:

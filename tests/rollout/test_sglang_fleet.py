@@ -118,6 +118,21 @@ def test_episodes_stick_to_a_server_behind_sglang_router(fleet, tmp_path):
         router.stop()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("smg") is None, reason="sglang-router (smg) is not installed")
+def test_two_routers_run_side_by_side(fleet, tmp_path):
+    """Each router gets its own metrics port (smg's default, 29000, would let only one start on a node)."""
+    routers = [RouterProcess(fleet.urls, "consistent_hashing", log_dir=str(tmp_path), name=f"router-{i}",
+                             startup_timeout_s=60) for i in range(2)]
+    try:
+        for router in routers:
+            router.start()
+        assert routers[0].args["prometheus-port"] != routers[1].args["prometheus-port"]
+        _affinity(run(_with_engine(_episodes, router_url=routers[1].url)))
+    finally:
+        for router in routers:
+            router.stop()
+
+
 async def _read(url: str, name: str) -> torch.Tensor:
     client = SGLangClient(url)
     try:
