@@ -1,6 +1,6 @@
 """LocalEngine throughput against transformers' `generate` on the same model, prompts and lengths.
 
-    python bench/engine.py [--model smollm2-135m-instruct] [--batch 16] [--new-tokens 64]
+    python bench/engine.py [--model smollm2-135m-instruct] [--batch 16] [--new-tokens 64] [--device auto]
 
 Both sample at temperature 1 with a fixed number of new tokens (no early stop), from the same left-padded
 prompts; we report generated tokens per second and the ratio. LocalEngine additionally returns the logprob of
@@ -24,28 +24,41 @@ PROMPTS = ["Write a Python function that reverses a string.", "What is the capit
            "How do I sort a list of dicts by a key in Python?", "Give three uses of a hash map."]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     args = p.parse_args()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else "cpu" if args.device == "auto" else args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     tok = load_tokenizer(args.model)
-    model = load_model(args.model).eval()
+    model = load_model(args.model, dtype=dtype, device=device).eval()
     prompts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                        add_generation_prompt=True, tokenize=True, return_dict=False)
                for i in range(args.batch)]
     total = args.batch * args.new_tokens
-    print(f"{args.model}: batch {args.batch}, {args.new_tokens} new tokens, torch threads {torch.get_num_threads()}")
+    print(f"{args.model}: batch {args.batch}, {args.new_tokens} new tokens, {device} {dtype}, "
+          f"torch threads {torch.get_num_threads()}")
 
     tok.padding_side = "left"
-    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    enc = tok.pad({"input_ids": prompts}, return_tensors="pt").to(device)
     torch.manual_seed(0)
+    _sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(**enc, do_sample=True, temperature=1.0, top_p=None, top_k=None, max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, output_scores=True, return_dict_in_generate=True,
                        pad_token_id=tok.pad_token_id)
+    _sync(device)
     hf_s = time.perf_counter() - start
 
     engine = LocalEngine(model, tok, max_batch_size=args.batch)
@@ -55,6 +68,7 @@ def main():
                                                                         seed=i)) for i, p in enumerate(prompts)])
     start = time.perf_counter()
     results = asyncio.run(run())
+    _sync(device)
     ours_s = time.perf_counter() - start
     engine.close()
     assert sum(len(r.output_ids) for r in results) == total

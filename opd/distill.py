@@ -158,8 +158,6 @@ def evaluate_teachers(cfg: DistillConfig, tasks) -> dict:
 def distill(cfg: DistillConfig) -> dict:
     validate(cfg)
     task_set = load_tasks(cfg.env.tasks)
-    for index, reason in task_set.skipped:
-        log.warning("task record %d skipped: %s", index, reason)
     train_tasks, eval_tasks = task_set.split(cfg.env.train_split), task_set.split(cfg.env.eval_split)
     if cfg.trainer.eval_max_tasks:  # every domain keeps held-out tasks: take them in turn
         eval_tasks = round_robin_by_domain(eval_tasks)[:cfg.trainer.eval_max_tasks]

@@ -201,13 +201,15 @@ def validate(cfg: Config) -> None:
     if any(gpus.values()):
         import torch
 
-        wanted = cfg.trainer.actor_gpus + cfg.trainer.critic_gpus + cfg.engine.gpus_per_worker * cfg.engine.num_workers
-        if cfg.engine.type == "sglang" and not (sg.urls or sg.router_url):
-            wanted += sg.gpus_per_server * sg.num_servers
+        terms = {"trainer.actor_gpus": cfg.trainer.actor_gpus, "trainer.critic_gpus": cfg.trainer.critic_gpus,
+                 "engine.gpus_per_worker x engine.num_workers": cfg.engine.gpus_per_worker * cfg.engine.num_workers}
+        if "engine.sglang.gpus_per_server" in gpus:
+            terms["engine.sglang.gpus_per_server x engine.sglang.num_servers"] = sg.gpus_per_server * sg.num_servers
+        wanted = sum(terms.values())
         have = torch.cuda.device_count() if not cfg.trainer.ray_address else wanted
         if wanted > have + 1e-9:
-            problems.append(f"the placement asks for {wanted:g} GPUs (trainer.actor_gpus + trainer.critic_gpus + "
-                            f"engine.gpus_per_worker x engine.num_workers) but this machine has {have}")
+            parts = " + ".join(f"{key} {value:g}" for key, value in terms.items() if value)
+            problems.append(f"the placement asks for {wanted:g} GPUs ({parts}) but this machine has {have}")
     try:
         cfg.agent.validate()
     except ValueError as exc:

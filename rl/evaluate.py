@@ -65,7 +65,7 @@ def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_
     """`samples` episodes per task (sampled at engine.eval_temperature, which must then be > 0): pass@1 is
     the mean over all of them, `eval/tasks_solved` the share of tasks solved at least once."""
     task_set = load_tasks(tasks_source)
-    tasks = task_set.tasks if split in (None, "all") else task_set.split(split)
+    tasks = task_set.split(split)
     if max_tasks:
         tasks = tasks[:max_tasks]
     if not tasks:

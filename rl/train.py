@@ -139,8 +139,6 @@ def train(cfg: Config) -> dict:
     checkpoints = Checkpointer(run_dir, cfg.trainer.keep_checkpoints)
     resume_from = checkpoints.latest() if cfg.resume else None
     task_set = load_tasks(cfg.env.tasks)
-    for index, reason in task_set.skipped:
-        log.warning("task record %d skipped: %s", index, reason)
     train_tasks, eval_tasks = task_set.split(cfg.env.train_split), task_set.split(cfg.env.eval_split)
     if cfg.trainer.eval_max_tasks:
         eval_tasks = eval_tasks[:cfg.trainer.eval_max_tasks]

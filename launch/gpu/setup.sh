@@ -21,7 +21,7 @@ if [ ! -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/rl-gguf/gguf.
     echo "setup: the reassembled GGUF has the wrong checksum" >&2; rm -f $GGUF_DIR/tmp.gguf
   fi
 fi
-# SGLang 0.5.17's pruned site tree (../shared/sglang-gpu/build_carry.sh → .carry/sglang/, two ~30 MiB parts that
+# SGLang 0.5.17's pruned site tree (launch/gpu/build_sglang_carry.sh → .carry/sglang/, two ~30 MiB parts that
 # travel in consecutive calls): unpacked once both arrived. Only the server process puts it on its PYTHONPATH.
 mkdir -p /tmp/rl-sgl-parts
 for f in .carry/sglang/*; do [ -f "$f" ] && cp -n "$f" /tmp/rl-sgl-parts/; done

@@ -26,6 +26,22 @@ def test_list_with_filters(capsys, monkeypatch, shipped_tasks):
     assert code == 0 and len(out.splitlines()) == len(shipped_tasks.tasks) + 1 and out.startswith("id")
 
 
+def test_list_split_all_means_every_split_and_a_bad_record_warns_once(tmp_path, shipped_tasks):
+    """`--split all` as in `rl.evaluate --split all`; a malformed record is reported once, by the loader."""
+    code = "import sys; from environments.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "list", "--split", "all", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == len(shipped_tasks.tasks), proc.stderr
+    good = json.dumps({"id": "t1", "statement": "s", "entry_file": "a.py", "files": [{"path": "a.py", "content": ""}],
+                       "hidden_tests": [{"path": "test_a.py", "content": "def test_a():\n    pass\n"}]})
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(good + "\n{not json\n")
+    proc = subprocess.run([sys.executable, "-c", code, "list", "--tasks", str(tasks), "--split", "all"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "1 task(s)" in proc.stderr, proc.stderr
+    assert proc.stderr.count("skipped") == 1 and "record 1" in proc.stderr, proc.stderr
+
+
 def test_grade_reference_and_start(capsys, monkeypatch, tmp_path, task_by_id):
     code, out = run(capsys, monkeypatch, ["grade", "add_two_numbers"])
     assert code == 0

@@ -1,8 +1,8 @@
 """Real SGLang (0.5.17) on a GPU, serving a tiny GLM-5.2-architecture checkpoint that our models/ code wrote.
 
 Skipped without a CUDA GPU or without SGLang. SGLang need not be importable here: `RL_SGLANG_PYTHONPATH` may
-name a site tree that only the server process sees (launch/gpu/sglang_setup.sh unpacks one on the H200;
-../shared/SGLANG_GPU.md says why: its transformers pin differs from ours).
+name a site tree that only the server process sees (launch/gpu/setup.sh unpacks one on the H200;
+launch/gpu/build_sglang_carry.sh says why: its transformers pin differs from ours).
 
 Checks: launch through `SGLangServer` and wait for health; generate through `SGLangEngine` with logprobs and
 replayed routing; per-token logprob parity between the server (bf16) and our trainer-side model (fp32) on the

@@ -26,6 +26,31 @@ def test_experiments_compose(experiment):
     cfg.agent.validate()
 
 
+@pytest.mark.parametrize("experiment,gpus", [("coding_ppo_gpu", 1), ("coding_ppo_gpu_sglang", 1),
+                                             ("coding_ppo_gpu2", 2)])
+def test_gpu_experiments_fit_the_gpus_their_docs_promise(experiment, gpus, monkeypatch):
+    """README's GPU commands as written: each experiment's placement fits its machine and not a smaller one."""
+    import torch
+
+    from rl.config import validate
+
+    cfg = composed(f"+experiment={experiment}")
+    assert cfg.run_name == experiment
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    validate(cfg)
+    if gpus > 1:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus - 1)
+        with pytest.raises(ValueError, match="asks for"):
+            validate(cfg)
+
+
+def test_one_gpu_sglang_layout():
+    cfg = composed("+experiment=coding_ppo_gpu_sglang")
+    assert cfg.engine.type == "sglang" and cfg.engine.gpus_per_worker == 0
+    assert cfg.engine.sglang.gpus_per_server + cfg.trainer.actor_gpus + cfg.trainer.critic_gpus <= 1.0
+    assert cfg.engine.sglang.weight_sync == "tensor"  # same GPU as the actor: CUDA IPC
+
+
 def test_overrides_are_typed():
     cfg = composed("+experiment=coding_ppo", "trainer.learning_rate=3e-6", "agent.compaction.max_compactions=5")
     assert cfg.trainer.learning_rate == 3e-6 and cfg.agent.compaction.max_compactions == 5
