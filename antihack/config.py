@@ -31,7 +31,7 @@ class GuardConfig:
 
 def build_guard(cfg: GuardConfig, initial_policy: str = "") -> Guard:
     """The guard of one rollout worker. An engine-backed judge is a separate, frozen model: never the policy
-    being trained, so that it cannot co-adapt with it (ALGORITHMS.md §4.4)."""
+    being trained, so that it cannot co-adapt with it (docs/ALGORITHMS.md §4.4)."""
     j = cfg.judge
     judge = None
     if cfg.enabled and j.backend != "none":

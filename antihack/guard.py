@@ -1,7 +1,7 @@
 """The guard that wraps every tool call: rules (recall) → LLM judge on flagged calls (precision) → allow/block.
 
 A blocked call is not executed; the agent gets a dummy observation shaped like the failure the hardened sandbox
-itself would give (ALGORITHMS.md §4.5), and the episode goes on. There is no reward penalty by default:
+itself would give (docs/ALGORITHMS.md §4.5), and the episode goes on. There is no reward penalty by default:
 blocking makes a hack useless instead of punished, which avoids teaching the policy to hide it (§4.1).
 """
 

@@ -1,4 +1,4 @@
-"""Stage 2 of the guard: an LLM judge of intent, asked only about flagged calls (ALGORITHMS.md §4.4).
+"""Stage 2 of the guard: an LLM judge of intent, asked only about flagged calls (docs/ALGORITHMS.md §4.4).
 
 The judge reads the task, the recent calls, the flagged call and the rule hits, and answers with one JSON
 object that we validate strictly. Backends: any `rollout.Engine` (the local one by default; token in/out

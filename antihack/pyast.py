@@ -1,4 +1,4 @@
-"""Facts about Python source the agent writes (or runs inline), read from its AST (ALGORITHMS.md §4.3).
+"""Facts about Python source the agent writes (or runs inline), read from its AST (docs/ALGORITHMS.md §4.3).
 
 Each finding names a taxonomy category and a short reason; the rules decide what to do with them. The source is
 parsed, never imported or executed. Source that does not parse yields no AST findings (the text-level checks of

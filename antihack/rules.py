@@ -1,4 +1,4 @@
-"""Stage 1 of the guard: rules tuned for recall (ALGORITHMS.md §4.2-4.3).
+"""Stage 1 of the guard: rules tuned for recall (docs/ALGORITHMS.md §4.2-4.3).
 
 Each rule has an id, a taxonomy category and a severity: `block` rules are precise enough to act alone;
 `escalate` rules flag the call for the LLM judge (and let it through, flagged, when no judge is configured).

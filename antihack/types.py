@@ -1,4 +1,4 @@
-"""Types of the guard contract (DESIGN.md §4): what a rule sees, what the guard decides."""
+"""Types of the guard contract (docs/DESIGN.md §4): what a rule sees, what the guard decides."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ logits), transformers from its full logits. Gradient checkpointing is off unless
 
 MFU: model FLOPs per training token (3 × forward: 2 × the activated parameters without the embedding, the
 absorbed-form sparse attention 2·k'·H·(2·d_c + d_r) with k' = min(top-k, keys), and the indexer 2·H_I·d_I·keys
-per full layer, keys = the causal average (S + 1) / 2; GLM52.md §10) over the bf16 peak measured in the same run
-(a large matmul). The config defaults to GLM52.md §9B's dimensions (models.glm5.tiny.KERNEL_CONFIG: hidden 1024,
+per full layer, keys = the causal average (S + 1) / 2; docs/GLM52.md §10) over the bf16 peak measured in the same run
+(a large matmul). The config defaults to docs/GLM52.md §9B's dimensions (models.glm5.tiny.KERNEL_CONFIG: hidden 1024,
 16 heads, kv_lora 512, rope 64, v 256, indexer 32 × 128) with GLM-5.2's real top-k of 2048.
 """
 

@@ -1,7 +1,7 @@
 """MTP speculative decoding in the LocalEngine: acceptance length and decode speed against plain decoding.
 
     python bench/mtp_speculative.py [--model glm52-tiny] [--fit-steps 200] [--draft-steps 1 2 3]
-    python bench/mtp_speculative.py --random-config kernel --device cuda     # GLM52.md §9B dims on a GPU
+    python bench/mtp_speculative.py --random-config kernel --device cuda     # docs/GLM52.md §9B dims on a GPU
 
 A random checkpoint's MTP layer drafts noise (acceptance length 1.0), so the bench first fits it to the model's
 own greedy continuations of random prompts (self-distillation: only the MTP layer trains, with the MTP loss of
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--random-config", choices=["kernel"], default=None,
-                   help="instead of --model: a random GLM-5.2 model of GLM52.md §9B's dimensions (8 layers, "
+                   help="instead of --model: a random GLM-5.2 model of docs/GLM52.md §9B's dimensions (8 layers, "
                         "hidden 1024, one MTP layer), built in-process (no tokenizer needed), fp32")
     args = p.parse_args(argv)
     torch.manual_seed(0)

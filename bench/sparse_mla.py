@@ -3,7 +3,7 @@
     python bench/sparse_mla.py                          # H200: 4K-32K tokens, top-k 2048, GLM-5.2's 576-wide latents
     python bench/sparse_mla.py --seqs 8192 --tune       # also time other key blocks, warps and pipeline depths
 
-Inputs as in the model (GLM52.md §9B: 16 heads, d_c 512 + d_r 64, bf16): q̃ [1, S, H, 576], kv [1, S, 576] and
+Inputs as in the model (docs/GLM52.md §9B: 16 heads, d_c 512 + d_r 64, bf16): q̃ [1, S, H, 576], kv [1, S, 576] and
 each query's top-k selection of its causal prefix (random scores, −1 where fewer than k keys exist). The torch
 side is models.glm5.sparse_mla.SparseMLA in the model's 256-query chunks. Prints ms per call and the ratio.
 """

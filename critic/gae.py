@@ -1,4 +1,4 @@
-"""Token-level GAE that skips non-action tokens, vectorised (ALGORITHMS.md §1.4-1.5).
+"""Token-level GAE that skips non-action tokens, vectorised (docs/ALGORITHMS.md §1.4-1.5).
 
 Over the action positions a_1 < … < a_N of one trajectory (all its segments in time order):
 
@@ -121,6 +121,6 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.
 
 
 def adaptive_lambda(num_action_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
-    """VAPO's length-adaptive λ = 1 − 1/(α·ℓ), ℓ = action tokens of the trajectory (ALGORITHMS.md §1.4.2)."""
+    """VAPO's length-adaptive λ = 1 − 1/(α·ℓ), ℓ = action tokens of the trajectory (docs/ALGORITHMS.md §1.4.2)."""
     length = num_action_tokens.clamp(min=1).double()
     return (1.0 - 1.0 / (alpha * length)).clamp(min=0.0, max=1.0)

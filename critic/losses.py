@@ -1,4 +1,4 @@
-"""Masked reductions and the critic's clipped value loss (ALGORITHMS.md §1.7)."""
+"""Masked reductions and the critic's clipped value loss (docs/ALGORITHMS.md §1.7)."""
 
 from __future__ import annotations
 

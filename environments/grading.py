@@ -1,4 +1,4 @@
-"""Grading in a fresh sandbox (ALGORITHMS.md S12).
+"""Grading in a fresh sandbox (docs/ALGORITHMS.md S12).
 
 The agent's files are copied into a new sandbox, the official test files are written over whatever the agent
 did to them, the hidden tests are run, and the report is parsed here, outside the sandbox. The tests that

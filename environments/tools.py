@@ -52,7 +52,7 @@ class Observation:
 
 
 def truncate_middle(text: str, max_chars: int) -> str:
-    """Keep the head and the tail of a long output, with a note of what was cut (ALGORITHMS.md S10)."""
+    """Keep the head and the tail of a long output, with a note of what was cut (docs/ALGORITHMS.md S10)."""
     if len(text) <= max_chars:
         return text
     half = max_chars // 2

@@ -1,4 +1,4 @@
-"""Types of the environment contract (DESIGN.md §4): tool calls, sandbox results, tasks, grades."""
+"""Types of the environment contract (docs/DESIGN.md §4): tool calls, sandbox results, tasks, grades."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Full-vocabulary logits for a whole batch are the largest activation of a policy 
 chunk by chunk under activation checkpointing, so at most [B, chunk, V] logits live at a time, forward and
 backward.
 
-Alignment (ALGORITHMS.md §0.3): position t of the output holds log π(x_t | x_<t), i.e. it comes from the hidden
+Alignment (docs/ALGORITHMS.md §0.3): position t of the output holds log π(x_t | x_<t), i.e. it comes from the hidden
 state at t-1. Position 0 has no prediction and is 0.
 """
 

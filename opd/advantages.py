@@ -1,4 +1,4 @@
-"""The OPD signal (ALGORITHMS.md §3.1, §3.5).
+"""The OPD signal (docs/ALGORITHMS.md §3.1, §3.5).
 
 Per action token t of a trajectory routed to teacher T:
 

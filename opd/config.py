@@ -13,7 +13,7 @@ from rl.config import Config
 class TeacherConfig:
     name: str = ""
     path: str = ""  # built-in model name, HF folder or training checkpoint
-    domains: list[str] = field(default_factory=list)  # task domains it owns (ALGORITHMS.md §3.3: one per domain)
+    domains: list[str] = field(default_factory=list)  # task domains it owns (docs/ALGORITHMS.md §3.3: one per domain)
     engine: str = "local"  # local: a torch scorer in its own Ray worker | sglang: its own SGLang server
     gpus: float = 0.0  # Ray GPUs of its worker
 

@@ -1,5 +1,5 @@
 """`python -m opd.distill +experiment=opd_merge`: merge expert checkpoints into one student by parallel
-on-policy distillation (ALGORITHMS.md §3).
+on-policy distillation (docs/ALGORITHMS.md §3).
 
 One step: the student runs agent episodes on the task mixture; each finished trajectory goes at once to the
 teacher that owns its domain, which scores the student's tokens (prefill only) while other episodes still run

@@ -52,7 +52,7 @@ class ActorWorker(DeepSpeedWorker):
         return out
 
     def train_step(self, samples: list[dict]) -> dict:
-        """One PPO optimiser step over all segments of the step (whole-batch token-mean, ALGORITHMS.md §1.8).
+        """One PPO optimiser step over all segments of the step (whole-batch token-mean, docs/ALGORITHMS.md §1.8).
 
         Samples carry token_ids, loss_mask, advantages, rollout_logprobs (and ref_logprobs). π_old is the policy
         at the start of the step; the update is a single optimiser step after all micro-batches, so during it

@@ -1,6 +1,6 @@
 """From trajectories to training samples: one sample per segment, advantages chained per trajectory.
 
-GAE runs once per trajectory over the action tokens of all its segments in time order (ALGORITHMS.md §1.5.2):
+GAE runs once per trajectory over the action tokens of all its segments in time order (docs/ALGORITHMS.md §1.5.2):
 the last action of segment k bootstraps from V at the first action of segment k+1, computed by the critic on
 segment k+1's own (compacted) context. The terminal reward sits on the very last action token; nothing is
 split or duplicated across segments.
@@ -103,7 +103,7 @@ def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: Al
 
 def boundary_value_drop(samples: list[dict]) -> float | None:
     """Mean V(first action of segment k+1) − V(last action of segment k) over compaction boundaries
-    (ALGORITHMS.md §2.6: negative means the summary lost information)."""
+    (docs/ALGORITHMS.md §2.6: negative means the summary lost information)."""
     by_traj: dict[int, list[dict]] = {}
     for s in samples:
         by_traj.setdefault(s["traj"], []).append(s)

@@ -1,6 +1,6 @@
 """The Ray side of a run: start Ray, place the workers, dispatch episodes, move weights.
 
-Layout (DESIGN.md §5): N rollout workers (each an engine replica running many episodes concurrently), one
+Layout (docs/DESIGN.md §5): N rollout workers (each an engine replica running many episodes concurrently), one
 actor worker and one critic worker (each its own DeepSpeed world). On the embedded default everything is a
 process on this machine; every placement comes from the config.
 """

@@ -1,4 +1,4 @@
-"""Policy-side losses (ALGORITHMS.md §1.6, §1.8, §1.10, §1.11). All take [B, T] tensors aligned with tokens and
+"""Policy-side losses (docs/ALGORITHMS.md §1.6, §1.8, §1.10, §1.11). All take [B, T] tensors aligned with tokens and
 return per-token terms; the caller aggregates with `masked_sum(...) / D`, D = the step's global count of
 action tokens (whole-batch token-mean, §1.8).
 """

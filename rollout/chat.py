@@ -3,7 +3,7 @@
 The agent keeps a token ledger. The first prompt is `render(messages)`; after each sampled assistant output,
 only `continuation(new_messages, output_text)` is tokenised and appended: the text that closes the assistant
 turn (unless the sampled stop token already did), the new messages, and the next assistant header. The
-sampled tokens themselves are never decoded and re-encoded (DESIGN.md §3.2, ALGORITHMS.md §2.4).
+sampled tokens themselves are never decoded and re-encoded (docs/DESIGN.md §3.2, docs/ALGORITHMS.md §2.4).
 """
 
 from __future__ import annotations

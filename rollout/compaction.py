@@ -1,4 +1,4 @@
-"""Context compaction (ALGORITHMS.md §2): the summary request and the rebuilt context.
+"""Context compaction (docs/ALGORITHMS.md §2): the summary request and the rebuilt context.
 
 Compaction is an environment transition. The policy writes a handoff note (its tokens are trained); the next
 segment starts from system + task + note + the last atomic steps, all loss mask 0, including the copied note.

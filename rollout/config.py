@@ -62,7 +62,7 @@ class EngineConfig:
 
 @dataclass
 class CompactionConfig:
-    """ALGORITHMS.md §2: compact before a turn when the prompt reaches context_window - reserve."""
+    """docs/ALGORITHMS.md §2: compact before a turn when the prompt reaches context_window - reserve."""
 
     enabled: bool = True
     reserve: int = 768  # Δ: must cover one turn, or one summary plus its instruction

@@ -1,4 +1,4 @@
-"""The `rollout.Engine` contract (DESIGN.md §4): token in, token out, with the sampled tokens' logprobs."""
+"""The `rollout.Engine` contract (docs/DESIGN.md §4): token in, token out, with the sampled tokens' logprobs."""
 
 from __future__ import annotations
 

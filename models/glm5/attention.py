@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA) with DeepSeek sparse attention (DSA) over the indexer's top-k keys.
 
-Per layer (GLM52.md §4.2; H heads, d_n nope / d_r rope / d_v value dims, d_c KV latent rank):
+Per layer (docs/GLM52.md §4.2; H heads, d_n nope / d_r rope / d_v value dims, d_c KV latent rank):
 
     c_q = RMSNorm_εa(x W_qaᵀ);  [q_n | q_r]_h = (c_q W_qbᵀ)_h,  q_r ← RoPE(q_r)
     c_kv = RMSNorm_εa((x W_kvaᵀ)[:d_c]),  k_r = RoPE((x W_kvaᵀ)[d_c:])        (one rope key shared by all heads)

@@ -1,6 +1,6 @@
 """HF-format interop for GLM-5.2: sharded safetensors + model.safetensors.index.json + config.json, in and out.
 
-Tensor names are GLM-5.2's checkpoint names (GLM52.md §5), which are also our parameter names:
+Tensor names are GLM-5.2's checkpoint names (docs/GLM52.md §5), which are also our parameter names:
 `model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,
 kv_a_layernorm,kv_b_proj,o_proj}.weight`, `…self_attn.indexer.{wq_b,wk,k_norm,weights_proj}.*` on full-indexer
 layers only (shared layers carry none), `…mlp.{gate,up,down}_proj.weight` (dense layers), `…mlp.gate.weight`,

@@ -1,13 +1,13 @@
 """`Glm5Config`: every field of GLM-5.2's config.json (`model_type: glm_moe_dsa`), plus a few implementation knobs.
 
-The dataclass defaults are GLM-5.2's values (GLM52.md §2), so `Glm5Config()` describes the 744B model. Fields fall in
+The dataclass defaults are GLM-5.2's values (docs/GLM52.md §2), so `Glm5Config()` describes the 744B model. Fields fall in
 two groups:
 
 * **HF fields** are read from and written to config.json under their original names, so transformers'
   `GlmMoeDsaConfig` and SGLang read what we write (`to_hf`) and we read what they write (`from_hf`). Keys we do not
   model (e.g. `quantization_config`, `transformers_version`) are kept in `extra` and written back unchanged.
 * **Implementation knobs** (`metadata={"hf": False}`) change how we compute, not what the checkpoint is: the eps
-  of the q/kv latent norms (a live discrepancy between implementations, GLM52.md §4.2), the streaming chunk sizes.
+  of the q/kv latent norms (a live discrepancy between implementations, docs/GLM52.md §4.2), the streaming chunk sizes.
   They are never written to config.json.
 
 Derived per-layer schedules:
@@ -60,7 +60,7 @@ class Glm5Config:
     qk_rope_head_dim: int = 64
     qk_head_dim: int | None = None  # derived: nope + rope
     v_head_dim: int = 256
-    head_dim: int | None = 192  # GLM-5.2 writes 192 (= nope); misleading, never used (GLM52.md §2)
+    head_dim: int | None = 192  # GLM-5.2 writes 192 (= nope); misleading, never used (docs/GLM52.md §2)
     attention_bias: bool = False
     attention_dropout: float = 0.0
     rope_parameters: dict = field(default_factory=lambda: {"rope_theta": 8000000.0, "rope_type": "default"})
@@ -217,7 +217,7 @@ class Glm5Config:
 
     def to_hf(self) -> dict[str, Any]:
         """config.json dict: every HF field under its original name, `indexer_types` always explicit (SGLang and
-        prime-rl otherwise fall back to different schedules, GLM52.md §4.5), plus the round-tripped extras."""
+        prime-rl otherwise fall back to different schedules, docs/GLM52.md §4.5), plus the round-tripped extras."""
         out = {name: getattr(self, name) for name in self.hf_field_names()}
         out = {**self.extra, **out}
         return json.loads(json.dumps(out))  # plain JSON types (tuples → lists), a deep copy

@@ -1,6 +1,6 @@
 """The DSA lightning indexer: per-query top-k key selection, computed in streaming chunks, and its warm-up loss.
 
-Math (GLM52.md §4.3, DeepSeek-V3.2 eq. 1). For query t and key s (s ≤ t, real tokens only):
+Math (docs/GLM52.md §4.3, DeepSeek-V3.2 eq. 1). For query t and key s (s ≤ t, real tokens only):
 
     q^I_t = c_q,t W_qIᵀ ∈ R^{H_I × d_I}      (c_q: the attention's normalised query latent; first d_r dims roped)
     k^I_s = LayerNorm(x_s W_kIᵀ) ∈ R^{d_I}   (one head; first d_r dims roped; LayerNorm *with* bias)

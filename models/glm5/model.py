@@ -1,6 +1,6 @@
 """GLM-5.2 backbone, causal LM (policy) and value model (critic).
 
-Model level (GLM52.md §4.1): h⁰ = E[ids]; h^{ℓ+1} = DecoderLayer_ℓ(h^ℓ, carry) for ℓ < N, where `carry` is the
+Model level (docs/GLM52.md §4.1): h⁰ = E[ids]; h^{ℓ+1} = DecoderLayer_ℓ(h^ℓ, carry) for ℓ < N, where `carry` is the
 selection of the most recent full-indexer layer (IndexShare); h_out = RMSNorm(h^N); logits = h_out W_lmᵀ.
 
 **Train = rollout replay.** `indexer_topk` ({full layer index: [B, S, k] key indices, −1 = empty slot}) and
@@ -14,7 +14,7 @@ With `return_routing=True` the output carries the same two dicts as computed (or
 slot the query could not attend to is −1, and layers whose keys all fit in top-k list their full causal prefix.
 
 **Gradient checkpointing** recomputes each layer in the backward; the recompute *replays* the selections and
-expert ids of the first pass (GLM52.md §4.4: never re-select during recompute, a flip would change the graph).
+expert ids of the first pass (docs/GLM52.md §4.4: never re-select during recompute, a flip would change the graph).
 
 **Cache.** `use_cache=True` (or a `cache=`/`past_key_values=` object: our `Glm5Cache` or transformers'
 `DynamicCache`) stores each layer's latent [c_kv ; k_r] (576 wide for GLM-5.2) and each full layer's indexer keys; `attention_mask` must then

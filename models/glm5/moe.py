@@ -1,6 +1,6 @@
 """GLM/DeepSeek-V3 mixture of experts: fp32 sigmoid router with a bias used for selection only, shared expert.
 
-Routing (GLM52.md §4.6), per token with hidden x (post-attention-normed):
+Routing (docs/GLM52.md §4.6), per token with hidden x (post-attention-normed):
 
     ℓ = x W_gᵀ (fp32),  σ = sigmoid(ℓ),  u = σ + b          (b = e_score_correction_bias, an fp32 buffer)
     groups: split the E experts into n_group groups, score a group by the sum of its top-2 u, keep the best

@@ -1,6 +1,6 @@
 """GLM-5.2's multi-token-prediction (MTP) layer: training forward with shared parameters, KVShare and IndexShare.
 
-Structure (GLM52.md §4.8): checkpoint `model.layers.N` (N = num_hidden_layers) is a full decoder layer — MLA with
+Structure (docs/GLM52.md §4.8): checkpoint `model.layers.N` (N = num_hidden_layers) is a full decoder layer — MLA with
 its own indexer, always MoE — plus `enorm`, `hnorm` (RMSNorm), `eh_proj` [D, 2D] and `shared_head.norm`. It
 reuses the target's `embed_tokens` and `lm_head`. One step:
 
@@ -21,7 +21,7 @@ Training alignment on anchors i (0-based token positions) — the spec's [inferr
 Losses, never materialising [B, S, V] logits (chunks of the LM head, checkpointed):
 
 * CE_j = mean over valid anchors of −log q_j(t_{i+j+1}); `mtp_loss` = mean_j CE_j.
-* optional TV loss (ALGORITHMS.md §6, Bebop): with speculative *rejection sampling* a step-j draft is accepted
+* optional TV loss (docs/ALGORITHMS.md §6, Bebop): with speculative *rejection sampling* a step-j draft is accepted
   with probability 1 − TV(p, q_j), p the target's next-token distribution at i + j (detached) and q_j the draft's.
   We maximise the expected accepted length, A_i = Σ_j Π_{m≤j} (1 − TV_{m,i}) (a later step counts only if every
   earlier one was accepted), i.e. L_TV = −mean_i A_i / K (K = steps).

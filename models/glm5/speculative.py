@@ -1,4 +1,4 @@
-"""Speculative decoding with GLM-5.2's MTP layer as the drafter (GLM52.md §4.8; the acceptance rule is
+"""Speculative decoding with GLM-5.2's MTP layer as the drafter (docs/GLM52.md §4.8; the acceptance rule is
 `rollout.sampling.verify_drafts`).
 
 One round for a batch of rows, each with its last emitted token x and k drafts d_1..d_k:

@@ -21,7 +21,7 @@ from torch import nn
 from models.glm5.config import Glm5Config
 from models.hub import GLM52_TINY
 
-# GLM52.md §9A, the transformers-equality configuration
+# docs/GLM52.md §9A, the transformers-equality configuration
 REFERENCE_CONFIG = dict(
     vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8,
     first_k_dense_replace=2, moe_layer_freq=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
@@ -33,7 +33,7 @@ REFERENCE_CONFIG = dict(
     pad_token_id=None, eos_token_id=None,
 )
 
-# GLM52.md §9B: the smallest config SGLang's GLM-5.2 kernels accept (FlashMLA: kv_lora 512 + rope 64, v 256;
+# docs/GLM52.md §9B: the smallest config SGLang's GLM-5.2 kernels accept (FlashMLA: kv_lora 512 + rope 64, v 256;
 # indexer head dim 128; heads dividing 64; top-k a multiple of 64 and ≤ 2048; a power-of-two expert count), for
 # `--load-format dummy` smoke tests and ours-vs-SGLang parity on a GPU. Same layer pattern as REFERENCE_CONFIG.
 KERNEL_CONFIG = dict(

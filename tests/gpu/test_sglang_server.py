@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
               pytest.mark.skipif(not SITE and importlib.util.find_spec("sglang") is None,
                                  reason="SGLang is not installed (nor RL_SGLANG_PYTHONPATH set)")]
 
-# The tolerances: the server computes in bf16 with its own kernels, ours in fp32 (SGLANG_GPU.md measured
+# The tolerances: the server computes in bf16 with its own kernels, ours in fp32 (docs/SGLANG.md: measured
 # 0.04-0.10 max and 0.005 mean against transformers at this size).
 MEAN_TOL, MAX_TOL = 0.03, 0.5
 REPORT: dict = {}

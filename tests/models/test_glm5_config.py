@@ -11,7 +11,7 @@ from models.glm5.tiny import REFERENCE_CONFIG
 def test_defaults_are_glm52():
     c = Glm5Config()
     assert (c.hidden_size, c.num_hidden_layers, c.vocab_size, c.qk_head_dim) == (6144, 78, 154880, 256)
-    assert c.full_indexer_layers == [0, 1, 2] + list(range(6, 78, 4))  # 21 indexers (GLM52.md §4.5)
+    assert c.full_indexer_layers == [0, 1, 2] + list(range(6, 78, 4))  # 21 indexers (docs/GLM52.md §4.5)
     assert len(c.full_indexer_layers) == 21
     assert c.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 75
     assert c.rope_theta == 8e6 and c.index_share_for_mtp_iteration and c.num_nextn_predict_layers == 1
@@ -103,7 +103,7 @@ def test_rope_theta_from_older_files_and_validation():
 
 
 def test_kernel_test_config_meets_sglang_constraints():
-    """GLM52.md §7 / §9B: what SGLang's FlashMLA-sparse, DSA indexer and fused router assert."""
+    """docs/GLM52.md §7 / §9B: what SGLang's FlashMLA-sparse, DSA indexer and fused router assert."""
     from models.glm5.tiny import KERNEL_CONFIG
 
     c = Glm5Config(**KERNEL_CONFIG)

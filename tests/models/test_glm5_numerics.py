@@ -1,5 +1,5 @@
 """Our GLM-5.2 against transformers' GlmMoeDsaForCausalLM (≥ 5.13, the numerics reference), fp32, random weights
-with randomised norm gains / LayerNorm biases / router biases (GLM52.md §9A): logits and indexer top-k sets."""
+with randomised norm gains / LayerNorm biases / router biases (docs/GLM52.md §9A): logits and indexer top-k sets."""
 
 import pytest
 import torch
@@ -96,7 +96,7 @@ def test_logits_and_topk_sets_equal_transformers(which, pair_a, pair_b):
 
 def test_sparsity_changes_the_logits(pair_a):
     """The test above is sensitive to the selection: with every key kept (top-k ≥ S) positions past top-k differ,
-    positions within it do not (GLM52.md §4.4)."""
+    positions within it do not (docs/GLM52.md §4.4)."""
     ours, hf = pair_a
     ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(7))
     dense = build_random(ours.config.replace(index_topk=64), seed=3).eval()

@@ -5,7 +5,7 @@ For a block of queries × a block of keys, one program loads the key block once,
 [queries, keys] score matrix the top-k needs. The torch version (`Indexer.scores`) writes the per-head
 [queries, H_I, keys] dots in fp32 (32× the output), passes them through ReLU and reduces them in a second einsum;
 on the H200 that and its fp32 GEMM were about a fifth of a training step at 8K tokens (docs/BENCHMARKS.md), and
-the indexer is the part of DSA that grows with S² (GLM52.md §10).
+the indexer is the part of DSA that grows with S² (docs/GLM52.md §10).
 
 Precision: q and k enter the dots in their own dtype (bf16 on the GPU) with fp32 accumulation; the weights, the
 ReLU and the sum are fp32. DeepSeek-V3.2's and SGLang's production indexer runs its dots in fp8.
