@@ -51,6 +51,12 @@ def main():
 
     tok.padding_side = "left"
     enc = tok.pad({"input_ids": prompts}, return_tensors="pt").to(device)
+    # Warm-up outside the timings (CUDA context, cuBLAS handles, allocator): a few tokens through each.
+    with torch.inference_mode():
+        model.generate(**enc, do_sample=True, max_new_tokens=4, pad_token_id=tok.pad_token_id)
+    warm = LocalEngine(model, tok, max_batch_size=args.batch)
+    asyncio.run(warm.generate(prompts[0], SamplingParams(temperature=1.0, max_new_tokens=4, seed=0)))
+    warm.close()
     torch.manual_seed(0)
     _sync(device)
     start = time.perf_counter()

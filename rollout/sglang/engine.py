@@ -86,7 +86,8 @@ class SGLangEngine:
         self.stats = EngineStats()
         self._servers: dict[str, _Server] | None = None  # built in the running loop (httpx pools are per loop)
         self._holder: dict[str, _Server] = {}  # request id → the server it is on (for abort)
-        self._aborted_by_us: set[str] = set()
+        self._aborted_by_us: set[str] = set()  # in-flight request ids that abort() was asked to end
+        self._inflight: set[str] = set()
         self._ids = itertools.count()
 
     # ---- the Engine contract -------------------------------------------------------------------------
@@ -101,11 +102,14 @@ class SGLangEngine:
         started, version_at_start = time.perf_counter(), self.weight_version
         self.stats.requests += 1
         errors: list[str] = []
+        self._inflight.add(rid)
         try:
             for attempt in range(self.max_retries + 1):
                 if attempt:
                     self.stats.retries += 1
-                server = await self._pick(session_id or rid)
+                server = await self._pick(session_id or rid, rid)
+                if server is None:  # aborted while it waited for a server: never sent
+                    return GenerateResult([], [], "abort", {"request_id": rid, "weight_version_start": version_at_start})
                 self._holder[rid] = server
                 server.inflight += 1
                 try:
@@ -132,17 +136,29 @@ class SGLangEngine:
         finally:
             self._holder.pop(rid, None)
             self._aborted_by_us.discard(rid)
+            self._inflight.discard(rid)
         raise SGLangError(f"request {rid} failed after {self.max_retries + 1} attempts: " + " | ".join(errors[-3:]))
 
-    async def abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._aborted_by_us.add(rid)
-            server = self._holder.get(rid)
-            if server is not None:
-                try:
-                    await server.client.abort(rid)
-                except SGLangError:
-                    pass  # the server is gone: so is the request
+    async def abort(self, request_ids: list[str], attempts: int = 3, retry_s: float = 0.25) -> None:
+        """End these in-flight requests (finish reason "abort", with the tokens generated so far).
+
+        A request still waiting for a server is never sent. One already sent is aborted on its server; since a
+        server ignores an abort for a request id it has not registered yet (the request may still be in transit),
+        the abort is repeated a few times while the request is still running. Ids not in flight are ignored."""
+        pending = [rid for rid in request_ids if rid in self._inflight]
+        self._aborted_by_us.update(pending)
+        for attempt in range(attempts):
+            pending = [rid for rid in pending if rid in self._inflight]
+            for rid in pending:
+                server = self._holder.get(rid)
+                if server is not None:
+                    try:
+                        await server.client.abort(rid)
+                    except SGLangError:
+                        pass  # the server is gone: so is the request
+            if not pending or attempt == attempts - 1:
+                return
+            await asyncio.sleep(retry_s)
 
     async def pause(self, mode: str = "abort") -> None:
         await self._each(lambda c: c.pause(mode))
@@ -185,10 +201,13 @@ class SGLangEngine:
             self._servers = {u: _Server(u, SGLangClient(u, self.request_timeout_s)) for u in urls}
         return self._servers
 
-    async def _pick(self, key: str) -> _Server:
+    async def _pick(self, key: str, rid: str | None = None) -> _Server | None:
+        """The server for routing key `key`, waiting for one to be up; None once request `rid` is aborted."""
         servers = await self._servers_map()
         deadline = time.monotonic() + self.request_timeout_s
         while True:
+            if rid in self._aborted_by_us:
+                return None
             await self._recheck(servers)
             up = [u for u, s in servers.items() if s.up]
             if up:

@@ -186,6 +186,25 @@ def test_abort_by_request_id(fleet):
     assert result.finish_reason == "abort" and len(result.output_ids) < 3000
 
 
+def test_an_abort_that_comes_before_the_request_reaches_a_server(fleet):
+    """Found on the H200: the engine was still waiting for a server that served its weight version when the
+    abort came, so the abort found no server to send to and the request later ran to its full length. Now a
+    request aborted while it waits is never sent, and an abort of an id not in flight leaves that id usable."""
+    async def go(engine):
+        await engine.abort(["later"])  # not in flight: ignored
+        task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3000), request_id="early"))
+        await asyncio.sleep(0.5)  # no server serves version 7 yet: the request waits in the engine
+        await engine.abort(["early"])
+        early = await asyncio.wait_for(task, 30)
+        engine.set_weight_version(0)
+        later = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2), request_id="later")
+        return early, later
+
+    early, later = run(_with_engine(go, urls=fleet.urls, weight_version=7))
+    assert early.finish_reason == "abort" and early.output_ids == [] and "server" not in early.meta
+    assert later.finish_reason == "length" and len(later.output_ids) == 2
+
+
 def test_requests_cut_by_a_weight_update_are_rerun_on_the_new_weights(fleet, tiny_path, tmp_path):
     """pause_mode=abort: in-flight requests end with 'abort' on the server; the engine runs them again once
     the new version is served. Every request returns once, complete, from the new weights."""
