@@ -51,3 +51,23 @@ def unbatch(batches: list[MicroBatch], outputs: list[torch.Tensor], count: int) 
         for row, (i, n) in enumerate(zip(mb.indices, mb.lengths)):
             result[i] = out[row, :n].tolist()
     return result
+
+
+def ppo_mini_batches(samples: list[dict], mini_batches: int = 1, epochs: int = 1, seed: int = 0):
+    """The optimiser steps of a PPO update: `epochs` passes over the samples, each pass a fresh random split into
+    `mini_batches` groups of near-equal size (one optimiser step each). Yields (epoch, samples of the step).
+
+    With one epoch and one mini-batch it yields the samples as they are, in their order (one step over the
+    whole batch). A step never gets zero samples: `mini_batches` is capped at the number of samples."""
+    if mini_batches < 1 or epochs < 1:
+        raise ValueError(f"ppo_mini_batches: mini_batches={mini_batches} and epochs={epochs} must be >= 1")
+    if mini_batches == 1 and epochs == 1:
+        yield 0, samples
+        return
+    groups = min(mini_batches, len(samples))
+    generator = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs):
+        order = torch.randperm(len(samples), generator=generator).tolist() if groups > 1 else range(len(samples))
+        order = list(order)
+        for g in range(groups):
+            yield epoch, [samples[i] for i in order[g::groups]]

@@ -24,7 +24,7 @@ from models import resolve_model_path
 from opd.advantages import opd_advantages
 from opd.config import DistillConfig, register_opd_configs, validate_opd
 from opd.teacher import TeacherWorker, check_same_tokenizer
-from rl.actor import needs_reference
+from rl.actor import needs_logprob_pass
 from rl.batch import add_advantages, to_samples, trainable
 from rl.checkpoint import Checkpointer
 from rl.cluster import (Workers, guard_metrics, push_weights, rollout_worker_kwargs, run_episodes, spawn,
@@ -114,7 +114,7 @@ def distill_step(cfg: DistillConfig, w: Workers, teachers: dict, owner: dict, sa
         for s in traj_samples:
             s["traj"] = k
             samples.append(s)
-    if needs_reference(cfg.algorithm):  # π_old and π_ref for the KL to the reference, as in rl.train
+    if needs_logprob_pass(cfg.algorithm):  # π_old (several optimiser steps) and π_ref, as in rl.train
         for key, values in ray.get(w.actor.compute_logprobs.remote(samples)).items():
             for s, v in zip(samples, values):
                 s[key] = v
@@ -122,10 +122,11 @@ def distill_step(cfg: DistillConfig, w: Workers, teachers: dict, owner: dict, sa
         for s, v in zip(samples, ray.get(w.critic.compute_values.remote(samples))):
             s["values"] = v
         metrics.update(add_advantages(samples, kept, cfg.algorithm))
-        metrics.update(ray.get(w.critic.train_step.remote(samples)))
+        a = cfg.algorithm
+        metrics.update(ray.get(w.critic.train_step.remote(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step)))
     metrics.update(opd_advantages(samples, cfg.opd.kl_coef, cfg.opd.kl_clip, add_to_existing=cfg.opd.mode == "ppo_opd"))
     metrics["perf/opd_s"] = timer.lap()
-    metrics.update(ray.get(w.actor.train_step.remote(samples)))
+    metrics.update(ray.get(w.actor.train_step.remote(samples, cfg.seed + step)))
     metrics.update(push_weights(w, step + 1, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync))
     metrics["perf/train_s"] = timer.lap()
     return metrics

@@ -8,10 +8,16 @@ import torch
 
 from critic.losses import masked_sum
 from models import load_model, policy_logprobs, to_dtype
-from models.batching import unbatch
+from models.batching import ppo_mini_batches, unbatch
 from models.training import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
 from rl.config import AlgorithmConfig
 from rl.losses import kl_estimate, ppo_policy_loss, rollout_correction
+
+
+def needs_logprob_pass(algo: AlgorithmConfig) -> bool:
+    """Whether the step computes π_old (and π_ref) before the update: for a reference, or because the update
+    takes several optimiser steps (then π_old must be fixed before the first one changes the weights)."""
+    return needs_reference(algo) or algo.ppo_epochs * algo.mini_batches > 1
 
 
 def needs_reference(algo: AlgorithmConfig) -> bool:
@@ -51,23 +57,58 @@ class ActorWorker(DeepSpeedWorker):
             out["ref_logprobs"] = unbatch(batches, ref, len(samples))
         return out
 
-    def train_step(self, samples: list[dict]) -> dict:
-        """One PPO optimiser step over all segments of the step (whole-batch token-mean, docs/ALGORITHMS.md §1.8).
+    def train_step(self, samples: list[dict], seed: int = 0) -> dict:
+        """PPO's update on the step's segments: `algorithm.ppo_epochs` passes, each split into
+        `algorithm.mini_batches` random groups, one optimiser step per group with the token-mean of that group
+        (docs/ALGORITHMS.md §1.8); the defaults make one step over the whole batch.
 
         Samples carry token_ids, loss_mask, advantages, rollout_logprobs (and ref_logprobs). π_old is the policy
-        at the start of the step; the update is a single optimiser step after all micro-batches, so during it
-        the parameters *are* π_old and each micro-batch's own logprobs, detached, are π_old exactly. A separate
-        recompute pass (`old_logprobs` given) is only needed when something used them before the update."""
+        at the start of the update. With a single optimiser step the parameters *are* π_old throughout, so each
+        micro-batch's own logprobs, detached, are π_old exactly and no separate pass is needed; with more than one
+        step `old_logprobs` (from `compute_logprobs`, before the update) must be given, and from the second step
+        on the ratio π/π_old moves and the clip acts (`actor/clipfrac`, `actor/approx_kl`)."""
         started = time.perf_counter()
         a = self.algo
         have_old = "old_logprobs" in samples[0]
+        if a.ppo_epochs * a.mini_batches > 1 and not have_old:
+            raise ValueError("several optimiser steps per batch need old_logprobs from compute_logprobs, "
+                             "computed before the update")
         fields = ("loss_mask", "advantages", "rollout_logprobs") + (("old_logprobs",) if have_old else ())
         if self.reference is not None:
             fields += ("ref_logprobs",)
         self.module.train()
-        batches = self.micro_batches(samples, fields)
-        denom = sum(float(sum(s["loss_mask"])) for s in samples) or 1.0  # pre-rejection count (§1.8)
         sums: dict[str, float] = {}
+        grad_norms, tokens_seen = [], 0.0
+        for _, group in ppo_mini_batches(samples, a.mini_batches, a.ppo_epochs, seed):
+            denom = sum(float(sum(s["loss_mask"])) for s in group) or 1.0  # pre-rejection count (§1.8)
+            grad_norms.append(self._optimiser_step(group, fields, have_old, denom, sums))
+            tokens_seen += denom
+        release_memory()
+        steps = len(grad_norms)
+        tokens = sum(len(s["token_ids"]) for s in samples)
+        elapsed = time.perf_counter() - started
+        metrics = {
+            "actor/loss": sums["loss"] / steps, "actor/pg_loss": sums["pg"] / steps,
+            "actor/grad_norm": sum(grad_norms) / steps, "actor/optim_steps": steps,
+            "actor/entropy": sums["entropy"] / tokens_seen, "actor/clipfrac": sums["clip_tokens"] / tokens_seen,
+            "actor/dual_clipfrac": sums["dual_clip_tokens"] / tokens_seen,
+            "actor/approx_kl": sums["approx_kl_sum"] / tokens_seen,
+            "mismatch/tis_truncated_frac": sums["tis_truncated_tokens"] / tokens_seen,
+            "mismatch/masked_frac": sums["mismatch_masked_tokens"] / tokens_seen,
+            "mismatch/train_rollout_logprob_abs_diff": sums["mismatch_abs_logp_sum"] / tokens_seen,
+            "mismatch/vetoed_segments": sums["vetoed_sequences"] / a.ppo_epochs,
+            "perf/actor_train_s": elapsed, "perf/actor_train_tokens_per_s": a.ppo_epochs * tokens / max(elapsed, 1e-9),
+        }
+        if "kl_ref" in sums:
+            metrics["actor/kl_ref"] = sums["kl_ref"] / tokens_seen
+        return metrics
+
+    def _optimiser_step(self, samples: list[dict], fields: tuple[str, ...], have_old: bool, denom: float,
+                        sums: dict[str, float]) -> float:
+        """One optimiser step over `samples` (micro-batched), loss = Σ per-token terms / denom; adds the step's
+        statistics (masked sums) into `sums`; returns the gradient norm."""
+        a = self.algo
+        batches = self.micro_batches(samples, fields)
 
         def add(key: str, value) -> None:
             sums[key] = sums.get(key, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
@@ -100,24 +141,7 @@ class ActorWorker(DeepSpeedWorker):
                 return loss
             return compute
 
-        grad_norm = accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches])
-        release_memory()
-        tokens = sum(len(s["token_ids"]) for s in samples)
-        elapsed = time.perf_counter() - started
-        metrics = {
-            "actor/loss": sums["loss"], "actor/pg_loss": sums["pg"], "actor/grad_norm": grad_norm,
-            "actor/entropy": sums["entropy"] / denom, "actor/clipfrac": sums["clip_tokens"] / denom,
-            "actor/dual_clipfrac": sums["dual_clip_tokens"] / denom,
-            "actor/approx_kl": sums["approx_kl_sum"] / denom,
-            "mismatch/tis_truncated_frac": sums["tis_truncated_tokens"] / denom,
-            "mismatch/masked_frac": sums["mismatch_masked_tokens"] / denom,
-            "mismatch/train_rollout_logprob_abs_diff": sums["mismatch_abs_logp_sum"] / denom,
-            "mismatch/vetoed_segments": sums["vetoed_sequences"],
-            "perf/actor_train_s": elapsed, "perf/actor_train_tokens_per_s": tokens / max(elapsed, 1e-9),
-        }
-        if "kl_ref" in sums:
-            metrics["actor/kl_ref"] = sums["kl_ref"] / denom
-        return metrics
+        return accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches])
 
     def weight_buckets(self, bucket_mb: int, on_device: bool = False) -> list[dict[str, torch.Tensor]]:
         """The policy's parameters in buckets of about `bucket_mb` MB, in a fixed order."""

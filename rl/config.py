@@ -71,6 +71,11 @@ class AlgorithmConfig:
     mask_high: float = 5.0
     veto: float = 1e-4  # a segment with any π_old/μ below this is dropped
     critic_warmup_steps: int = 0  # first steps train only the critic
+    # PPO's optimiser steps per rollout batch: epochs passes, each split into mini_batches random groups (one step
+    # each, token-mean within the group). 1 and 1: one step over the whole batch. More than one step recomputes
+    # π_old before the update, so the ratio, the clip and the value clip act from the second step on.
+    ppo_epochs: int = 1
+    mini_batches: int = 1
 
 
 @dataclass
@@ -178,6 +183,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"algorithm.dual_clip={a.dual_clip}: must be > 1 (or 0 to turn it off)")
     if not (0 <= a.gamma <= 1 and 0 <= a.lam_critic <= 1 and 0 <= a.lam_policy <= 1):
         problems.append("algorithm.gamma, lam_critic and lam_policy must lie in [0, 1]")
+    if a.ppo_epochs < 1 or a.mini_batches < 1:
+        problems.append("algorithm.ppo_epochs and algorithm.mini_batches must be >= 1")
     if a.tis_low > a.tis_high:
         problems.append("algorithm.tis_low must be <= algorithm.tis_high")
     for key in ("steps", "episodes_per_step", "micro_batch_tokens"):

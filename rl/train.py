@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from environments import load_tasks, make_sandbox
 from models import resolve_model_path
-from rl.actor import needs_reference
+from rl.actor import needs_logprob_pass
 from rl.batch import add_advantages, boundary_value_drop, to_samples, trainable
 from rl.checkpoint import Checkpointer
 from rl.cluster import (Workers, engine_metrics, guard_metrics, push_weights, push_weights_sglang, run_episodes,
@@ -44,7 +44,7 @@ def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) 
         return metrics
     samples = to_samples(kept)
     metrics["perf/rollout_tokens_per_s"] = sum(t.num_action_tokens for t in trajs) / metrics["perf/rollout_s"]
-    if needs_reference(cfg.algorithm):
+    if needs_logprob_pass(cfg.algorithm):
         for key, values in ray.get(w.actor.compute_logprobs.remote(samples)).items():
             for s, v in zip(samples, values):
                 s[key] = v
@@ -57,9 +57,10 @@ def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) 
     if drop is not None:
         metrics["critic/boundary_value_drop"] = drop
     metrics["perf/gae_s"] = timer.lap()
-    metrics.update(ray.get(w.critic.train_step.remote(samples)))
+    a = cfg.algorithm
+    metrics.update(ray.get(w.critic.train_step.remote(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step)))
     if step >= cfg.algorithm.critic_warmup_steps:
-        metrics.update(ray.get(w.actor.train_step.remote(samples)))
+        metrics.update(ray.get(w.actor.train_step.remote(samples, cfg.seed + step)))
         metrics.update(push_weights(w, step + 1, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync))
     metrics["perf/train_s"] = timer.lap()
     metrics["perf/train_tokens"] = sum(len(s["token_ids"]) for s in samples)

@@ -136,9 +136,11 @@ def test_glm52_tiny_as_policy_and_critic(tmp_path):
     from rl.train import train
 
     cfg = config("model=glm52_tiny", f"output_dir={tmp_path}", "trainer.steps=1", "trainer.eval_at_start=false",
-                 "trainer.verify_weight_sync=true", "logging.wandb_mode=disabled", "engine.speculative_steps=2")
+                 "trainer.verify_weight_sync=true", "logging.wandb_mode=disabled", "engine.speculative_steps=2",
+                 "algorithm.ppo_epochs=2", "algorithm.mini_batches=2")
     final = train(cfg)
     assert final["rollout/episodes"] == 4 and final["perf/weight_sync_max_abs_diff"] == 0.0
+    assert final["actor/optim_steps"] == 4 and final["critic/optim_steps"] == 4  # PPO mini-batches end to end
     assert final["engine/speculative_rounds"] > 0 and final["engine/accept_length"] >= 1.0
     assert math.isfinite(final["actor/grad_norm"]) and math.isfinite(final["critic/grad_norm"])
     latest = tmp_path / "coding_ppo_tiny" / "checkpoints" / "step_000001"

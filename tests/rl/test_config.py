@@ -86,3 +86,11 @@ def test_semantic_validation():
     for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward", "trainer.eval_samples",
                 "trainer.time_limit_action"):
         assert key in str(err.value)
+
+
+def test_ppo_step_counts_are_validated():
+    from rl.config import validate
+
+    with pytest.raises(ValueError, match="ppo_epochs and algorithm.mini_batches must be >= 1"):
+        validate(composed("+experiment=coding_ppo", "algorithm.mini_batches=0"))
+    validate(composed("+experiment=coding_ppo", "algorithm.ppo_epochs=2", "algorithm.mini_batches=4"))
