@@ -35,3 +35,13 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     g, v = returns[m].double(), values[m].double()
     var_g = g.var()
     return float("nan") if var_g <= 0 else float(1.0 - (g - v).var() / var_g)
+
+
+def explained_variance_from_sums(n: float, sum_g: float, sum_g2: float, sum_d: float, sum_d2: float) -> float:
+    """`explained_variance` from sums over the action tokens (n, Σg, Σg², Σd, Σd² with d = G − V), which add up
+    across ranks: 1 − Var[d] / Var[g] (the 1/n or 1/(n−1) of both variances cancels)."""
+    if n < 2:
+        return float("nan")
+    var_g = sum_g2 / n - (sum_g / n) ** 2
+    var_d = sum_d2 / n - (sum_d / n) ** 2
+    return float("nan") if var_g <= 0 else 1.0 - var_d / var_g

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from critic.losses import explained_variance, masked_mean, masked_sum, value_loss
+from critic.losses import explained_variance_from_sums, masked_sum, value_loss
 from models import load_model, to_dtype, token_values
 from models.batching import ppo_mini_batches, unbatch
 from models.training import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
@@ -34,46 +34,52 @@ class CriticWorker(DeepSpeedWorker):
         """The clipped value loss, token-mean over the action tokens of each optimiser step: `epochs` passes, each
         split into `mini_batches` random groups, one step per group (the defaults: one step over the whole batch).
         Each sample needs token_ids, loss_mask, returns and old_values (the values before the update, so the
-        value clip binds from the second step on)."""
+        value clip binds from the second step on). With several ranks each holds a shard; the token counts, the
+        statistics and the explained variance are over all ranks."""
         started = time.perf_counter()
         self.module.train()
-        totals = {"loss": 0.0, "clipped": 0.0, "tokens": 0.0}
-        grad_norms, last = [], ([], [], [])  # values, returns, masks of the last epoch, for explained variance
-        for epoch, group in ppo_mini_batches(samples, mini_batches, epochs, seed):
-            if epoch == epochs - 1:
-                grad_norms.append(self._optimiser_step(group, totals, last))
-            else:
-                grad_norms.append(self._optimiser_step(group, totals, None))
+        # loss, clipped tokens, tokens; then over the last epoch: n, Σv, Σg, Σg², Σ(g−v), Σ(g−v)² (action tokens)
+        totals = dict.fromkeys(("loss", "clipped", "tokens", "n", "v", "g", "g2", "d", "d2"), 0.0)
+        grad_norms = []
+        groups = max(1, min(mini_batches, int(self.all_reduce([len(samples)], "min")[0])))
+        for epoch, group in ppo_mini_batches(samples, groups, epochs, seed):
+            grad_norms.append(self._optimiser_step(group, totals, moments=epoch == epochs - 1))
         release_memory()
-        steps = len(grad_norms)
-        v, g, m = (torch.cat(x) for x in last)
-        tokens = sum(len(s["token_ids"]) for s in samples)
+        t = dict(zip(totals, self.all_reduce(list(totals.values()))))
+        steps, n = len(grad_norms), max(t["n"], 1.0)
+        tokens = self.all_reduce([sum(len(s["token_ids"]) for s in samples)])[0]
         elapsed = time.perf_counter() - started
-        return {"critic/value_loss": totals["loss"] / steps, "critic/value_clipfrac": totals["clipped"] / totals["tokens"],
-                "critic/explained_variance": explained_variance(v, g, m),
-                "critic/value_mean": float(masked_mean(v, m)), "critic/return_mean": float(masked_mean(g, m)),
+        return {"critic/value_loss": t["loss"] / steps, "critic/value_clipfrac": t["clipped"] / max(t["tokens"], 1.0),
+                "critic/explained_variance": explained_variance_from_sums(t["n"], t["g"], t["g2"], t["d"], t["d2"]),
+                "critic/value_mean": t["v"] / n, "critic/return_mean": t["g"] / n,
                 "critic/grad_norm": sum(grad_norms) / steps, "critic/optim_steps": steps,
                 "perf/critic_train_s": elapsed, "perf/critic_train_tokens_per_s": epochs * tokens / max(elapsed, 1e-9)}
 
-    def _optimiser_step(self, samples: list[dict], totals: dict[str, float], keep: tuple | None) -> float:
-        """One optimiser step of the value loss over `samples`; adds loss, clipped and token counts into `totals`
-        and, given `keep`, appends each micro-batch's values, returns and masks there."""
+    def _optimiser_step(self, samples: list[dict], totals: dict[str, float], moments: bool) -> float:
+        """One optimiser step of the value loss over `samples` (the denominator counts every rank's tokens); adds
+        the loss, clipped and token counts into `totals` and, with `moments`, the sums behind explained variance."""
         batches = self.micro_batches(samples, ("loss_mask", "returns", "old_values"))
-        denom = sum(float(sum(s["loss_mask"])) for s in samples) or 1.0
+        denom = self.all_reduce([sum(float(sum(s["loss_mask"])) for s in samples)])[0] or 1.0
         totals["tokens"] += denom
 
         def micro_loss(mb):
             def compute():
                 t = mb.tensors
                 values = token_values(self.module, t["input_ids"], t["attention_mask"])
+                if mb.padding:  # keeps this rank's collectives in step with the others; contributes nothing
+                    return values.sum() * 0.0
                 per_token, clipped = value_loss(values, t["old_values"], t["returns"], self.value_clip)
-                loss = masked_sum(per_token, t["loss_mask"]) / denom
+                mask = t["loss_mask"]
+                loss = masked_sum(per_token, mask) / denom
                 totals["loss"] += float(loss.detach())
-                totals["clipped"] += float(masked_sum(clipped, t["loss_mask"]))
-                if keep is not None:
-                    for store, x in zip(keep, (values.detach(), t["returns"], t["loss_mask"])):
-                        store.append(x.flatten())
-                return loss
+                totals["clipped"] += float(masked_sum(clipped, mask))
+                if moments:
+                    v, g = values.detach().double(), t["returns"].double()
+                    m = mask.double()
+                    for key, x in (("n", m), ("v", v * m), ("g", g * m), ("g2", g * g * m), ("d", (g - v) * m),
+                                   ("d2", (g - v) ** 2 * m)):
+                        totals[key] += float(x.sum())
+                return loss * self.loss_scale
             return compute
 
         return accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches])

@@ -58,9 +58,10 @@ def init_distributed(env: DistEnv | None = None) -> str:
         MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port or free_port()),
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if env.world_size == 1 and backend == "gloo":
+    if backend == "gloo":
         # DeepSpeed JIT-compiles a shared-memory allreduce op (about a minute on a fresh machine) for CPU
-        # worlds; a world of one process never communicates, so declare the op unavailable instead.
+        # worlds; a world of one process never communicates, and a CPU world of several (tests, the embedded
+        # default) is served well by gloo's own allreduce, so declare the op unavailable instead.
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -80,7 +81,9 @@ def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float
     """
     import deepspeed
 
-    if zero_stage == 3 and torch.distributed.is_initialized():
+    if zero_stage >= 1 and torch.distributed.is_initialized():
+        # ZeRO-1/2 reduce each gradient as backward produces it, ZeRO-3 also gathers each module's weights: the
+        # ranks must run the same experts (models/glm5/parallel.py); ZeRO-0 reduces all gradients at the end.
         from models.glm5.parallel import prepare_for_zero3
 
         prepare_for_zero3(model, torch.distributed.get_world_size())
@@ -144,6 +147,10 @@ class DeepSpeedWorker:
         torch.manual_seed(seed)
         self.optim = optim
         self.tokenizer_source = tokenizer_source
+        self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
+        if optim.zero_stage == 3 and any(getattr(m, "indexer", None) is not None for m in model.modules()):
+            raise ValueError("a GLM-5.2 model with DSA indexer layers cannot be trained with trainer.zero_stage=3 "
+                             "yet (models/glm5/parallel.py says why); use trainer.zero_stage <= 2")
         self.backend = init_distributed(dist)
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -155,10 +162,46 @@ class DeepSpeedWorker:
     def module(self) -> nn.Module:
         return self.engine.module
 
-    def micro_batches(self, samples: list[dict], fields: tuple[str, ...]):
-        from models.batching import make_micro_batches
+    def placement_info(self) -> dict:
+        """Where this rank runs: its rank, node address, the GPUs Ray gave it and its torch device."""
+        import ray
 
-        return make_micro_batches(samples, fields, self.optim.micro_batch_tokens, self.device)
+        gpus = ray.get_gpu_ids() if ray.is_initialized() else []
+        node = ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostname()
+        return {"rank": self.rank, "world_size": self.world_size, "node": node, "gpus": [str(g) for g in gpus],
+                "device": str(self.device)}
+
+    def micro_batches(self, samples: list[dict], fields: tuple[str, ...]):
+        """This rank's micro-batches; with several ranks, padded with empty ones to the largest count of any rank
+        (`MicroBatch.padding`), so every rank runs the same forwards and backwards (ZeRO-3 gathers parameters
+        in each forward, collectively)."""
+        from models.batching import make_micro_batches, padding_micro_batch
+
+        batches = make_micro_batches(samples, fields, self.optim.micro_batch_tokens, self.device)
+        if self.world_size > 1:
+            count = int(self.all_reduce([len(batches)], "max")[0])
+            batches += [padding_micro_batch(fields, self.device) for _ in range(count - len(batches))]
+            if self.optim.zero_stage == 3:  # one shape per micro-batch index on every rank (models/glm5/parallel.py)
+                widths = self.all_reduce([mb.tensors["input_ids"].shape[1] for mb in batches], "max")
+                batches = [mb.widened(int(w)) for mb, w in zip(batches, widths)]
+        return batches
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """Sum (or max, min) of `values` over the ranks of this model; the values themselves on one rank."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+               "min": torch.distributed.ReduceOp.MIN}
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                         device=self.device if self.backend == "nccl" else "cpu")
+        torch.distributed.all_reduce(t, op=ops[op])
+        return t.cpu().tolist()
+
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed averages gradients over the data-parallel ranks; our losses are already divided by the
+        global token count, so each rank's loss is multiplied by the world size to make the average a sum."""
+        return float(self.world_size)
 
     def gathered_state(self, on_device: bool = False) -> dict[str, torch.Tensor]:
         """Full (unpartitioned) parameters, named as in the HF checkpoint: copies on the CPU, or on the
@@ -170,16 +213,18 @@ class DeepSpeedWorker:
         def copy(v: torch.Tensor) -> torch.Tensor:
             return v.detach().clone() if on_device else v.detach().cpu().clone()
 
-        if self.optim.zero_stage == 3:
+        if self.optim.zero_stage == 3:  # collective: every rank gathers, rank 0 keeps the copy
             with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-                return {k: copy(v) for k, v in params.items()}
-        return {k: copy(v) for k, v in params.items()}
+                return {k: copy(v) for k, v in params.items()} if self.rank == 0 else {}
+        return {k: copy(v) for k, v in params.items()} if self.rank == 0 else {}
 
     def save_hf(self, folder: str, tokenizer_from: str | None = None) -> None:
         """HF-format folder (config.json + safetensors) that transformers and our engines load as it is."""
         from pathlib import Path
 
-        state = self.gathered_state()
+        state = self.gathered_state()  # every rank takes part (ZeRO-3); rank 0 writes
+        if self.rank != 0:
+            return
         self.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
         if tokenizer_from:
             from models.loading import load_tokenizer

@@ -115,18 +115,18 @@ def distill_step(cfg: DistillConfig, w: Workers, teachers: dict, owner: dict, sa
             s["traj"] = k
             samples.append(s)
     if needs_logprob_pass(cfg.algorithm):  # π_old (several optimiser steps) and π_ref, as in rl.train
-        for key, values in ray.get(w.actor.compute_logprobs.remote(samples)).items():
+        for key, values in w.actor.compute_logprobs(samples).items():
             for s, v in zip(samples, values):
                 s[key] = v
     if cfg.opd.mode == "ppo_opd":
-        for s, v in zip(samples, ray.get(w.critic.compute_values.remote(samples))):
+        for s, v in zip(samples, w.critic.compute_values(samples)):
             s["values"] = v
         metrics.update(add_advantages(samples, kept, cfg.algorithm))
         a = cfg.algorithm
-        metrics.update(ray.get(w.critic.train_step.remote(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step)))
+        metrics.update(w.critic.train_step(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step))
     metrics.update(opd_advantages(samples, cfg.opd.kl_coef, cfg.opd.kl_clip, add_to_existing=cfg.opd.mode == "ppo_opd"))
     metrics["perf/opd_s"] = timer.lap()
-    metrics.update(ray.get(w.actor.train_step.remote(samples, cfg.seed + step)))
+    metrics.update(w.actor.train_step(samples, cfg.seed + step))
     metrics.update(push_weights(w, step + 1, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync))
     metrics["perf/train_s"] = timer.lap()
     return metrics
@@ -181,9 +181,9 @@ def distill(cfg: DistillConfig) -> dict:
     start = 0
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)
-        ray.get(w.actor.load.remote(str(resume_from / "actor")))
+        w.actor.load(str(resume_from / "actor"))
         if w.critic is not None:
-            ray.get(w.critic.load.remote(str(resume_from / "critic")))
+            w.critic.load(str(resume_from / "critic"))
         sampler.load_state_dict(state["sampler"])
         start = state["step"]
         push_weights(w, start, cfg.trainer.weight_sync_bucket_mb)
@@ -211,8 +211,8 @@ def distill(cfg: DistillConfig) -> dict:
             out_of_time = clock.stops_after(step, timer.total(), last)
             if last or out_of_time or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 timer.lap()
-                checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
-                                 (lambda f: ray.get(w.critic.save.remote(f))) if w.critic is not None else None,
+                checkpoints.save(step + 1, w.actor.save,
+                                 w.critic.save if w.critic is not None else None,
                                  {"step": step + 1, "sampler": sampler.state_dict(), "seed": cfg.seed})
                 metrics["perf/checkpoint_s"] = timer.lap()
             metrics["perf/step_s"] = timer.total()
@@ -222,7 +222,7 @@ def distill(cfg: DistillConfig) -> dict:
                      domain_line(metrics, cfg), metrics["perf/step_s"])
             if clock.ended_early(step, last, out_of_time, final):
                 break
-    ray.get(w.actor.save_hf.remote(str(run_dir / "student"), student))
+    w.actor.save_hf(str(run_dir / "student"), student)
     logger.close()
     if cfg.logging.plot:
         domains = sorted(owner)

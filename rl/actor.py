@@ -14,6 +14,11 @@ from rl.config import AlgorithmConfig
 from rl.losses import kl_estimate, ppo_policy_loss, rollout_correction
 
 
+# The statistics train_step sums over micro-batches and ranks (the same keys on every rank, for the all-reduce).
+_SUMMED = ("loss", "pg", "entropy", "clip_tokens", "dual_clip_tokens", "approx_kl_sum", "tis_truncated_tokens",
+           "mismatch_masked_tokens", "mismatch_abs_logp_sum", "vetoed_sequences")
+
+
 def needs_logprob_pass(algo: AlgorithmConfig) -> bool:
     """Whether the step computes π_old (and π_ref) before the update: for a reference, or because the update
     takes several optimiser steps (then π_old must be fixed before the first one changes the weights)."""
@@ -69,7 +74,8 @@ class ActorWorker(DeepSpeedWorker):
         on the ratio π/π_old moves and the clip acts (`actor/clipfrac`, `actor/approx_kl`)."""
         started = time.perf_counter()
         a = self.algo
-        have_old = "old_logprobs" in samples[0]
+        # the same on every rank (a rank's shard may be empty): the fields decide the micro-batches' tensors
+        have_old = self.all_reduce([float(bool(samples) and "old_logprobs" in samples[0])], "max")[0] > 0
         if a.ppo_epochs * a.mini_batches > 1 and not have_old:
             raise ValueError("several optimiser steps per batch need old_logprobs from compute_logprobs, "
                              "computed before the update")
@@ -77,15 +83,19 @@ class ActorWorker(DeepSpeedWorker):
         if self.reference is not None:
             fields += ("ref_logprobs",)
         self.module.train()
-        sums: dict[str, float] = {}
+        sums = dict.fromkeys(_SUMMED + (("kl_ref",) if self.reference is not None else ()), 0.0)
         grad_norms, tokens_seen = [], 0.0
-        for _, group in ppo_mini_batches(samples, a.mini_batches, a.ppo_epochs, seed):
-            denom = sum(float(sum(s["loss_mask"])) for s in group) or 1.0  # pre-rejection count (§1.8)
+        # With several ranks each holds a shard: a mini-batch is every rank's g-th group, as many on each rank.
+        groups = min(a.mini_batches, int(self.all_reduce([len(samples)], "min")[0]))
+        for _, group in ppo_mini_batches(samples, max(groups, 1), a.ppo_epochs, seed):
+            local = sum(float(sum(s["loss_mask"])) for s in group)
+            denom = self.all_reduce([local])[0] or 1.0  # pre-rejection count over all ranks (§1.8)
             grad_norms.append(self._optimiser_step(group, fields, have_old, denom, sums))
             tokens_seen += denom
         release_memory()
+        sums = dict(zip(sums, self.all_reduce(list(sums.values()))))
         steps = len(grad_norms)
-        tokens = sum(len(s["token_ids"]) for s in samples)
+        tokens = self.all_reduce([sum(len(s["token_ids"]) for s in samples)])[0]
         elapsed = time.perf_counter() - started
         metrics = {
             "actor/loss": sums["loss"] / steps, "actor/pg_loss": sums["pg"] / steps,
@@ -116,6 +126,9 @@ class ActorWorker(DeepSpeedWorker):
         def micro_loss(mb):
             def compute():
                 t = mb.tensors
+                if mb.padding:  # keeps this rank's collectives in step with the others; contributes nothing
+                    logp, _ = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature)
+                    return logp.sum() * 0.0
                 mask = t["loss_mask"]
                 logp, entropy = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
                                                 with_entropy=True, only=mask)
@@ -132,6 +145,7 @@ class ActorWorker(DeepSpeedWorker):
                     per_token = per_token - a.entropy_coef * entropy
                 loss = masked_sum(per_token, effective) / denom
                 add("loss", loss)
+                loss = loss * self.loss_scale
                 add("pg", masked_sum(pg, effective) / denom)
                 add("entropy", masked_sum(entropy.detach(), mask))
                 if self.reference is not None:
@@ -173,6 +187,12 @@ class ActorWorker(DeepSpeedWorker):
         from rollout.sglang import weights as sync
 
         started = time.perf_counter()
+        if self.rank != 0:  # the other ranks take part in gathering the weights (ZeRO-3); rank 0 sends them
+            if mode == "disk":
+                self.save_hf(f"{folder}/v{version}")
+            else:
+                self.weight_buckets(bucket_mb, on_device=True)
+            return {}
         if mode == "disk":
             target = f"{folder}/v{version}"
             self.save_hf(target)

@@ -1,7 +1,7 @@
 """The Ray side of a run: start Ray, place the workers, dispatch episodes, move weights.
 
-Layout (docs/DESIGN.md §5): N rollout workers (each an engine replica running many episodes concurrently), one
-actor worker and one critic worker (each its own DeepSpeed world). On the embedded default everything is a
+Layout (docs/DESIGN.md §5): N rollout workers (each an engine replica running many episodes concurrently), the
+actor's and the critic's trainer groups (rl/group.py: each a DeepSpeed world of trainer.*_ranks Ray actors). On the embedded default everything is a
 process on this machine; every placement comes from the config.
 """
 
@@ -22,6 +22,7 @@ from environments import Task
 from models.training import OptimConfig
 from rl.actor import ActorWorker
 from rl.config import Config
+from rl.group import TrainerGroup
 from rollout.sglang.fleet import SGLangFleet
 from rollout.types import Trajectory
 from rollout.worker import RolloutWorker
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Workers:
-    actor: ray.actor.ActorHandle
-    critic: ray.actor.ActorHandle | None
+    actor: TrainerGroup
+    critic: TrainerGroup | None
     rollout: list[ray.actor.ActorHandle]
     fleet: SGLangFleet | None = None  # engine.type=sglang: the servers the rollout workers talk to
     weight_sync_dir: str = ""
@@ -69,20 +70,26 @@ def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Wo
     threads = t.torch_threads or 0
     common = dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
                   micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing)
-    actor = ray.remote(num_cpus=0, num_gpus=t.actor_gpus)(ActorWorker).remote(
-        policy, OptimConfig(learning_rate=t.learning_rate, **common), cfg.algorithm,
-        temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=threads)
+    actor = TrainerGroup(ActorWorker, t.actor_ranks, t.actor_gpus, "actor",
+                         policy, OptimConfig(learning_rate=t.learning_rate, **common), cfg.algorithm,
+                         temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=threads)
     critic_worker = None
     if critic is not None:  # pure on-policy distillation trains no critic
-        critic_worker = ray.remote(num_cpus=0, num_gpus=t.critic_gpus)(CriticWorker).remote(
-            critic, OptimConfig(learning_rate=t.critic_learning_rate, **common), cfg.algorithm.value_clip or None,
-            dtype=cfg.model.dtype, seed=cfg.seed + 1, torch_threads=threads)
+        critic_worker = TrainerGroup(CriticWorker, t.critic_ranks, t.critic_gpus, "critic",
+                                     critic, OptimConfig(learning_rate=t.critic_learning_rate, **common),
+                                     cfg.algorithm.value_clip or None, dtype=cfg.model.dtype, seed=cfg.seed + 1,
+                                     torch_threads=threads)
     rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,
                           max_concurrency=cfg.engine.max_concurrent_episodes + 8)(RolloutWorker).remote(
         policy, cfg.engine, **rollout_worker_kwargs(cfg), worker_index=i,
         sglang_endpoint=fleet.endpoint() if fleet else None)
         for i in range(cfg.engine.num_workers)]
-    ray.get([h.__ray_ready__.remote() for h in (actor, critic_worker, *rollout) if h is not None])
+    ray.get([h.__ray_ready__.remote() for h in rollout])
+    for group in (actor, critic_worker):
+        if group is not None:
+            for p in group.placement_info():
+                log.info("%s rank %d/%d on %s, GPUs %s (%s)", group.role, p["rank"], p["world_size"], p["node"],
+                         p["gpus"] or "none", p["device"])
     sync_dir = cfg.engine.sglang.weight_sync_dir or (f"{run_dir}/weights" if run_dir else "/tmp/agentic-rl-weights")
     return Workers(actor, critic_worker, rollout, fleet, sync_dir,
                    served_dtype=sglang_served_dtype(fleet) if fleet else None)
@@ -135,7 +142,7 @@ def push_weights(workers: Workers, version: int, bucket_mb: int, verify: bool = 
     if workers.fleet is not None:
         return push_weights_sglang(workers, version, bucket_mb, verify)
     started = time.perf_counter()
-    refs = ray.get(workers.actor.weight_bucket_refs.remote(bucket_mb))
+    refs = workers.actor.weight_bucket_refs(bucket_mb)
     sizes = ray.get([w.receive_bucket.remote(r) for w in workers.rollout for r in refs])
     versions = ray.get([w.commit_weights.remote(version) for w in workers.rollout])
     elapsed = time.perf_counter() - started
@@ -158,8 +165,8 @@ def push_weights_sglang(workers: Workers, version: int, bucket_mb: int, verify: 
     urls = list(fleet.urls if urls is None else urls)
     tp = int(cfg.args.get("tp", cfg.args.get("tp-size", cfg.args.get("tp_size", 1))) or 1)
     def sync(mode: str, fresh_group: bool) -> dict:
-        return ray.get(workers.actor.sync_sglang.remote(urls, version, mode, bucket_mb, cfg.pause_mode,
-                                                        workers.weight_sync_dir, [tp] * len(urls), fresh_group))
+        return workers.actor.sync_sglang(urls, version, mode, bucket_mb, cfg.pause_mode, workers.weight_sync_dir,
+                                         [tp] * len(urls), fresh_group)
 
     with fleet.sync_lock:
         started = time.perf_counter()
@@ -195,7 +202,7 @@ def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int
 
     from rollout.sglang.client import SGLangClient, SGLangError
 
-    state = ray.get(workers.actor.gathered_state.remote())
+    state = workers.actor.gathered_state()
     served_dtype = workers.served_dtype
     names = [n for n in state if state[n].dim() <= 2]
     picks = [names[int(i * (len(names) - 1) / max(names_per_server - 1, 1))] for i in range(names_per_server)]

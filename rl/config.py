@@ -102,8 +102,12 @@ class TrainerConfig:
     # stop: checkpoint and stop (resume=true goes on); finish: make the last step that fits the final one (its
     # final evaluation included), for a run that must end complete within one job slot
     time_limit_action: str = "stop"
-    actor_gpus: float = 0.0  # Ray GPU share of the actor worker (0: CPU); fractions colocate workers on one GPU
-    critic_gpus: float = 0.0
+    actor_gpus: float = 0.0  # Ray GPU share of each actor rank (0: CPU); fractions colocate workers on one GPU
+    critic_gpus: float = 0.0  # the same for each critic rank
+    # Data-parallel ranks per model (rl/group.py): one DeepSpeed world of that many Ray actors, the step's samples
+    # split across them by tokens; ZeRO (zero_stage) shards over them. The reference lives on the actor's ranks.
+    actor_ranks: int = 1
+    critic_ranks: int = 1
     ray_address: Optional[str] = None  # None: start a local Ray
 
 
@@ -195,6 +199,13 @@ def validate(cfg: Config) -> None:
     elif cfg.trainer.eval_samples > 1 and cfg.engine.eval_temperature <= 0:
         problems.append(f"trainer.eval_samples={cfg.trainer.eval_samples} needs engine.eval_temperature > 0 "
                         "(greedy samples of one task are the same episode)")
+    for role in ("actor", "critic"):
+        ranks, share = getattr(cfg.trainer, f"{role}_ranks"), getattr(cfg.trainer, f"{role}_gpus")
+        if ranks < 1:
+            problems.append(f"trainer.{role}_ranks must be >= 1")
+        elif ranks > 1 and 0 < share < 1:
+            problems.append(f"trainer.{role}_ranks={ranks} with trainer.{role}_gpus={share:g}: NCCL refuses two "
+                            "ranks of one world on one GPU; give each rank a whole GPU (or train on the CPU)")
     if cfg.engine.num_workers < 1:
         problems.append("engine.num_workers must be >= 1")
     one_of("engine.device", cfg.engine.device.split(":")[0], ["auto", "cpu", "cuda"])
@@ -208,7 +219,8 @@ def validate(cfg: Config) -> None:
     if any(gpus.values()):
         import torch
 
-        terms = {"trainer.actor_gpus": cfg.trainer.actor_gpus, "trainer.critic_gpus": cfg.trainer.critic_gpus,
+        terms = {"trainer.actor_gpus x trainer.actor_ranks": cfg.trainer.actor_gpus * cfg.trainer.actor_ranks,
+                 "trainer.critic_gpus x trainer.critic_ranks": cfg.trainer.critic_gpus * cfg.trainer.critic_ranks,
                  "engine.gpus_per_worker x engine.num_workers": cfg.engine.gpus_per_worker * cfg.engine.num_workers}
         if "engine.sglang.gpus_per_server" in gpus:
             terms["engine.sglang.gpus_per_server x engine.sglang.num_servers"] = sg.gpus_per_server * sg.num_servers

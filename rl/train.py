@@ -45,11 +45,11 @@ def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) 
     samples = to_samples(kept)
     metrics["perf/rollout_tokens_per_s"] = sum(t.num_action_tokens for t in trajs) / metrics["perf/rollout_s"]
     if needs_logprob_pass(cfg.algorithm):
-        for key, values in ray.get(w.actor.compute_logprobs.remote(samples)).items():
+        for key, values in w.actor.compute_logprobs(samples).items():
             for s, v in zip(samples, values):
                 s[key] = v
     metrics["perf/logprobs_s"] = timer.lap()
-    for s, v in zip(samples, ray.get(w.critic.compute_values.remote(samples))):
+    for s, v in zip(samples, w.critic.compute_values(samples)):
         s["values"] = v
     metrics["perf/values_s"] = timer.lap()
     metrics.update(add_advantages(samples, kept, cfg.algorithm))
@@ -58,9 +58,9 @@ def train_step(cfg: Config, w: Workers, sampler: TaskSampler, step: int, audit) 
         metrics["critic/boundary_value_drop"] = drop
     metrics["perf/gae_s"] = timer.lap()
     a = cfg.algorithm
-    metrics.update(ray.get(w.critic.train_step.remote(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step)))
+    metrics.update(w.critic.train_step(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step))
     if step >= cfg.algorithm.critic_warmup_steps:
-        metrics.update(ray.get(w.actor.train_step.remote(samples, cfg.seed + step)))
+        metrics.update(w.actor.train_step(samples, cfg.seed + step))
         metrics.update(push_weights(w, step + 1, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync))
     metrics["perf/train_s"] = timer.lap()
     metrics["perf/train_tokens"] = sum(len(s["token_ids"]) for s in samples)
@@ -158,7 +158,8 @@ def train(cfg: Config) -> dict:
     start = 0
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)
-        ray.get([w.actor.load.remote(str(resume_from / "actor")), w.critic.load.remote(str(resume_from / "critic"))])
+        w.actor.load(str(resume_from / "actor"))
+        w.critic.load(str(resume_from / "critic"))
         sampler.load_state_dict(state["sampler"])
         start = state["step"]
         push_weights(w, start, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync)
@@ -183,8 +184,8 @@ def train(cfg: Config) -> dict:
             out_of_time = clock.stops_after(step, timer.total(), last)
             if last or out_of_time or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 timer.lap()
-                checkpoints.save(step + 1, lambda f: ray.get(w.actor.save.remote(f)),
-                                 lambda f: ray.get(w.critic.save.remote(f)),
+                checkpoints.save(step + 1, w.actor.save,
+                                 w.critic.save,
                                  {"step": step + 1, "sampler": sampler.state_dict(), "seed": cfg.seed})
                 metrics["perf/checkpoint_s"] = timer.lap()
             metrics["perf/step_s"] = timer.total()

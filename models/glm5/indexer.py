@@ -60,7 +60,12 @@ class Indexer(nn.Module):
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """w [B, S, H_I] in fp32 (transformers keeps weights_proj in fp32; SGLang runs it in bf16)."""
-        return F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
+        weight = self.weights_proj.weight
+        if weight.numel() == 0 and hasattr(weight, "ds_id"):
+            raise RuntimeError("GLM-5.2's indexer under ZeRO-3: weights_proj is partitioned here (read outside its "
+                               "module's forward); train this model with trainer.zero_stage <= 2 "
+                               "(models/glm5/parallel.py says why)")
+        return F.linear(x.float(), weight.float()) * self.n_heads ** -0.5
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """I [B, c, t] for queries q [B, c, H_I, d_I] (weights w [B, c, H_I]) against keys k [B, t, d_I], fp32

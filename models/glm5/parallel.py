@@ -9,8 +9,12 @@ all-gathers (and which gradient reductions) come next and hang. `prepare_for_zer
 expert in expert order, on zero rows where it has no tokens (the weights still get their all-gather, a zero
 gradient, and their reduction). The same holds for every data-dependent call count: the ranks must also see
 the same shapes (sequence lengths, so that the indexer runs or not alike and chunked heads loop alike): a
-multi-rank trainer pads every rank's micro-batch to one length (bench/zero3_glm5.py uses equal shapes; the RL
-actor and critic are one rank each today). Expert parallelism (each rank owning whole experts) is SGLang's serving layout
+multi-rank trainer pads every rank's micro-batch to one length (`DeepSpeedWorker.micro_batches` does, under
+ZeRO-3 with several ranks; bench/zero3_glm5.py uses equal shapes). Not yet supported under ZeRO-3: a model whose
+indexer runs in training (`Indexer.head_weights` reads `weights_proj.weight` directly, which ZeRO-3 has not
+gathered there unless ZeRO's prefetch happened to fetch it; registering it as an external parameter made the
+forward run but the actor's gradients then differed from ZeRO-0's). The RL trainer's workers refuse that
+combination at start (`DeepSpeedWorker`); ZeRO-0 to 2 train it like one rank (tests/rl/test_trainer_ranks.py). Expert parallelism (each rank owning whole experts) is SGLang's serving layout
 (docs/SCALING.md); the trainer of a 744B model would add it through Megatron-style EP, not here.
 """
 

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from critic.losses import explained_variance, masked_mean, value_loss
@@ -27,3 +28,16 @@ def test_explained_variance():
     assert explained_variance(g, g, m) == 1.0
     assert abs(explained_variance(torch.full((4,), 1.5), g, m)) < 1e-12
     assert masked_mean(g, torch.tensor([1.0, 1.0, 0.0, 0.0])) == 0.5
+
+
+def test_explained_variance_from_sums_equals_the_tensor_form():
+    from critic.losses import explained_variance_from_sums
+
+    g = torch.Generator().manual_seed(0)
+    returns, values = torch.randn(50, generator=g, dtype=torch.float64), torch.randn(50, generator=g, dtype=torch.float64)
+    mask = (torch.rand(50, generator=g) > 0.3).double()
+    m = mask.bool()
+    gr, d = returns[m], returns[m] - values[m]
+    sums = (float(m.sum()), float(gr.sum()), float((gr * gr).sum()), float(d.sum()), float((d * d).sum()))
+    assert explained_variance_from_sums(*sums) == pytest.approx(explained_variance(values, returns, mask), rel=1e-12)
+    assert math.isnan(explained_variance_from_sums(1, 1.0, 1.0, 0.0, 0.0))  # one token: undefined

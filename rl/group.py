@@ -1,0 +1,118 @@
+"""One model trained by a group of ranks: N Ray actors forming one DeepSpeed world, placed by a placement group.
+
+`TrainerGroup` is what the drivers (rl/train.py, opd/distill.py) hold for the actor and for the critic: every call
+goes to all ranks (each a `DeepSpeedWorker` subclass holding its ZeRO shard), with the step's samples split across
+them by token count, and comes back as one answer: rank 0's metrics (already reduced over the ranks), per-sample
+results in the caller's order, rank 0's gathered weights. Collectives (the gradient all-reduce, ZeRO-3's parameter
+gathers, a checkpoint's save) need every rank, so no method talks to one rank alone.
+
+Placement: one bundle per rank ({CPU: a sliver, GPU: trainer.*_gpus}), packed onto as few nodes as fit and spread
+over several when one is not enough; the rendezvous address is rank 0's node. On GPUs each rank sees its own
+device (Ray sets CUDA_VISIBLE_DEVICES), so its local rank is 0; NCCL refuses two ranks on one GPU, which
+`rl.config.validate` checks.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from models.batching import shard_by_tokens
+from models.training import DistEnv
+
+# A rank's CPU reservation: a sliver, so that the ranks do not compete with the rollout workers for Ray's CPU
+# count (the processes use the cores they are given by torch_threads, not Ray's accounting).
+CPU_PER_RANK = 0.01
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    """Rank 0's address and a free port there (run in rank 0's bundle, so on its node)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class TrainerGroup:
+    def __init__(self, worker_cls, ranks: int, gpus_per_rank: float, role: str, *args, **kwargs):
+        if ranks < 1:
+            raise ValueError(f"{role}: a trainer group needs at least one rank, got {ranks}")
+        self.role, self.ranks = role, ranks
+        bundle = {"CPU": CPU_PER_RANK, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+        self.placement = placement_group([dict(bundle) for _ in range(ranks)], strategy="PACK")
+        ray.get(self.placement.ready())
+
+        def at(rank: int):
+            return PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+
+        address, port = ray.get(_rendezvous.options(scheduling_strategy=at(0)).remote())
+        remote = ray.remote(worker_cls)
+        self.workers = [
+            remote.options(num_cpus=CPU_PER_RANK, num_gpus=gpus_per_rank, scheduling_strategy=at(rank)).remote(
+                *args, dist=DistEnv(rank=rank, world_size=ranks, master_addr=address, master_port=port), **kwargs)
+            for rank in range(ranks)]
+
+    # ---- every rank, one answer ---------------------------------------------------------------------------------
+    def _all(self, method: str, *args, **kwargs) -> list:
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def _sharded(self, method: str, samples: list[dict], *args) -> tuple[list[list[int]], list]:
+        shards = shard_by_tokens(samples, self.ranks)
+        results = ray.get([getattr(w, method).remote([samples[i] for i in shard], *args)
+                           for w, shard in zip(self.workers, shards)])
+        return shards, results
+
+    def ready(self) -> None:
+        self._all("__ray_ready__")
+
+    def placement_info(self) -> list[dict]:
+        """Per rank: its node's address and the GPUs Ray gave it (for the run log)."""
+        return self._all("placement_info")
+
+    def train_step(self, samples: list[dict], *args) -> dict:
+        _, results = self._sharded("train_step", samples, *args)
+        return {**results[0], f"{self.role}/ranks": self.ranks}
+
+    def compute_logprobs(self, samples: list[dict]) -> dict[str, list[list[float]]]:
+        shards, results = self._sharded("compute_logprobs", samples)
+        out: dict[str, list] = {key: [None] * len(samples) for key in results[0]}
+        for shard, result in zip(shards, results):
+            for key, values in result.items():
+                for i, v in zip(shard, values):
+                    out[key][i] = v
+        return out
+
+    def compute_values(self, samples: list[dict]) -> list[list[float]]:
+        shards, results = self._sharded("compute_values", samples)
+        out: list = [None] * len(samples)
+        for shard, values in zip(shards, results):
+            for i, v in zip(shard, values):
+                out[i] = v
+        return out
+
+    def weight_bucket_refs(self, bucket_mb: int) -> list:
+        return self._all("weight_bucket_refs", bucket_mb)[0]
+
+    def gathered_state(self) -> dict:
+        return self._all("gathered_state")[0]
+
+    def sync_sglang(self, *args) -> dict:
+        return self._all("sync_sglang", *args)[0]
+
+    def save(self, folder: str) -> None:
+        self._all("save", folder)
+
+    def load(self, folder: str) -> None:
+        self._all("load", folder)
+
+    def save_hf(self, folder: str, tokenizer_from: str | None = None) -> None:
+        self._all("save_hf", folder, tokenizer_from)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.placement)

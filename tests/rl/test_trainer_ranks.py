@@ -1,0 +1,110 @@
+"""N data-parallel ranks train exactly like one rank (CPU, gloo): the actor's PPO step and the critic's value step
+over the same global batch, sharded by tokens, give the same loss, gradient norm and updated weights.
+
+Each world runs in processes of its own (torch.multiprocessing), the ranks of one world talking over gloo."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from models.batching import shard_by_tokens
+from models.training import DistEnv, OptimConfig, free_port
+
+
+def global_batch(n: int = 7, equal: bool = False) -> list[dict]:
+    """`equal`: every sample 48 tokens, so that no rank pads its micro-batches wider than one rank does (right
+    padding moves GLM-5.2's hidden states by ~1e-6, enough to flip a near-tied expert or indexer choice)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        length = 48 if equal else 20 + 9 * i
+        ids = torch.randint(100, 4000, (length,), generator=g).tolist()
+        mask = [0] * 8 + [1] * (length - 8)
+        logp = (-torch.rand(length, generator=g) * 3).tolist()  # the behaviour policy's logprobs
+        out.append({"token_ids": ids, "loss_mask": mask, "rollout_logprobs": logp,
+                    "advantages": [(1.0 if i % 2 else -0.5) * m for m in mask],
+                    "returns": [0.8 * m * (1 + t / length) for t, m in enumerate(mask)], "old_values": [0.0] * length})
+    return out
+
+
+def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, out: str) -> None:
+    from critic.worker import CriticWorker
+    from models import resolve_model_path
+    from rl.actor import ActorWorker
+    from rl.config import AlgorithmConfig
+
+    path = str(resolve_model_path(model))
+    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero)
+    dist = DistEnv(rank=rank, world_size=world, master_port=port)
+    samples = global_batch(equal=model.startswith("glm52"))
+    mine = [samples[i] for i in shard_by_tokens(samples, world)[rank]]
+    if role == "actor":
+        # no mismatch masking: the made-up behaviour logprobs are far from the model's (TIS weights still apply)
+        algo = AlgorithmConfig(use_reference=False, mask_low=0, mask_high=0, veto=0)
+        worker = ActorWorker(path, optim, algo, temperature=1.0, torch_threads=1,
+                             dist=dist)
+        metrics = worker.train_step(mine)
+    else:
+        worker = CriticWorker(path, optim, value_clip=0.2, torch_threads=1, dist=dist)
+        metrics = worker.train_step(mine)
+    state = worker.gathered_state()
+    if rank == 0:
+        with open(out, "wb") as f:
+            pickle.dump({"metrics": metrics, "state": state}, f)
+
+
+def train_world(world: int, model: str, role: str, zero: int, tmp_path) -> dict:
+    out = str(tmp_path / f"{role}-{model}-{world}-{zero}.pkl")
+    mp.spawn(_rank, args=(world, free_port(), model, role, zero, out), nprocs=world, join=True)
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+def test_shards_balance_tokens():
+    samples = [{"token_ids": [0] * n} for n in (50, 10, 40, 30, 20, 5)]
+    shards = shard_by_tokens(samples, 2)
+    assert sorted(i for s in shards for i in s) == list(range(6))
+    loads = [sum(len(samples[i]["token_ids"]) for i in s) for s in shards]
+    assert abs(loads[0] - loads[1]) <= 5  # 80 / 75
+    assert shard_by_tokens(samples[:1], 3) == [[0], [], []]
+
+
+@pytest.mark.parametrize("role,model,world,zero", [
+    ("actor", "tiny-random", 2, 0), ("critic", "tiny-random", 2, 0), ("actor", "tiny-random", 4, 3),
+    ("critic", "tiny-random", 4, 3), ("actor", "glm52-tiny", 2, 2), ("critic", "glm52-tiny", 2, 0)])
+def test_n_ranks_equal_one_rank(role, model, world, zero, tmp_path):
+    one = train_world(1, model, role, zero, tmp_path)
+    many = train_world(world, model, role, zero, tmp_path)
+    prefix = "actor" if role == "actor" else "critic"
+    loss = "actor/loss" if role == "actor" else "critic/value_loss"
+    assert many["metrics"][loss] == pytest.approx(one["metrics"][loss], rel=1e-5, abs=1e-7)
+    assert many["metrics"][f"{prefix}/grad_norm"] == pytest.approx(one["metrics"][f"{prefix}/grad_norm"], rel=1e-4)
+    if role == "critic":
+        for key in ("critic/explained_variance", "critic/value_mean", "critic/value_clipfrac"):
+            assert many["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
+    else:
+        for key in ("actor/entropy", "mismatch/train_rollout_logprob_abs_diff"):
+            assert many["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+    a, b = one["state"], many["state"]
+    assert a.keys() == b.keys() and len(a) > 0
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-4, worst  # Adam's first step is ~lr·sign(g): fp32 noise in small gradients shows here
+    from models import load_model
+
+    initial = dict(load_model(model, "policy" if role == "actor" else "value").named_parameters())
+    moved = max(float((a[k] - initial[k].detach()).abs().max()) for k in a if k in initial)
+    assert moved > 100 * max(worst, 1e-7), (moved, worst)  # the step moved the weights: equality is not trivial
+
+
+def test_glm52_with_its_indexer_under_zero3_is_refused_clearly():
+    """Not silently wrong: under ZeRO-3 the indexer's head weights are not gathered where they are read, and the
+    gradients of a run that got past that were not ZeRO-0's (models/glm5/parallel.py)."""
+    from critic.worker import CriticWorker
+    from models import resolve_model_path
+
+    with pytest.raises(ValueError, match="zero_stage <= 2"):
+        CriticWorker(str(resolve_model_path("glm52-tiny")), OptimConfig(zero_stage=3), torch_threads=1)
