@@ -83,3 +83,16 @@ def load_model(
         raise ValueError(f"role must be 'policy' or 'value', got {role!r}")
     model.config.use_cache = False
     return model.to(device)
+
+
+def supports_packed_sequences(model: nn.Module) -> bool:
+    """Whether `model` keeps the samples of a packed row apart (models/batching.py): transformers' models that
+    build their attention mask with `masking_utils.create_causal_mask` read sample boundaries from the position
+    ids when no attention mask is given. GLM-5.2 (models.glm5) does not yet: its sparse attention and indexer
+    would attend across samples, so it trains on padded rows."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    if module is None or not type(model).__module__.startswith("transformers."):
+        return False
+    return getattr(module, "create_causal_mask", None) is not None

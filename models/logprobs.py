@@ -31,6 +31,13 @@ def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     return logp, entropy
 
 
+def _mask_and_positions(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
+    """Padded rows: the mask, and positions counted over real tokens. Packed rows: their positions, no mask."""
+    if position_ids is not None:
+        return {"attention_mask": None, "position_ids": position_ids}
+    return {"attention_mask": attention_mask, "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
+
+
 def policy_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -39,17 +46,20 @@ def policy_logprobs(
     chunk_size: int = 512,
     with_entropy: bool = False,
     only: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) for every position of a right-padded batch → ([B, T], entropy [B, T]).
 
     `temperature` must equal the rollout temperature: the engine sampled from softmax(logits / T).
     `only` ([B, T], e.g. the loss mask): compute the LM head just at those positions (the others are 0). Agent
     traces are mostly prompt and observations, so this skips most of the [·, V] work and memory.
+    `position_ids` (a packed row, models/batching.py): the samples' own positions; the model then gets no
+    attention mask (the position resets delimit the samples) and `attention_mask` only says which positions
+    are real tokens.
     """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     head = model.get_output_embeddings()
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    hidden = backbone(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids),
                       use_cache=False).last_hidden_state[:, :-1]
     targets = input_ids[:, 1:]
     inv_t = 1.0 / max(temperature, 1e-6)
@@ -71,10 +81,10 @@ def policy_logprobs(
     return logp, entropy
 
 
-def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """V(t) for every position, aligned like `policy_logprobs`: V(t) reads the hidden state at t-1 (the state
-    in which the action x_t is chosen). Position 0 is 0."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    scores = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    in which the action x_t is chosen). Position 0 is 0. `position_ids`: a packed row, as in `policy_logprobs`."""
+    scores = model(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids)).logits
     values = scores[..., 0].float()
     return F.pad(values[:, :-1], (1, 0))

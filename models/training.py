@@ -11,11 +11,17 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from models.batching import MicroBatch, TokenBatch, make_micro_batches, padding_micro_batch, ppo_mini_batches
+from models.weight_stream import WeightBuckets, full_shapes, write_hf_streamed
+
 log = logging.getLogger(__name__)
+
+HF_SHARD_MB = 2048  # the HF export's shard size: one gathered shard in memory at a time
 
 
 def release_memory() -> None:
@@ -71,13 +77,18 @@ def init_distributed(env: DistEnv | None = None) -> str:
 
 
 def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float, grad_clip: float,
-                     zero_stage: int, dtype: torch.dtype):
+                     zero_stage: int, dtype: torch.dtype, offload_optimizer: bool = False,
+                     offload_params: bool = False):
     """Wrap `model` in a DeepSpeed engine with a torch AdamW client optimizer.
 
     torch's AdamW needs no JIT build (DeepSpeed's CPU Adam takes 1-2 minutes to compile on first use); ZeRO
     partitions its state all the same. Gradient accumulation is driven by the caller through
     `set_gradient_accumulation_boundary`, because the number of micro-batches per step varies with the
     rollouts (compaction makes the segment count per step unknown in advance).
+
+    `offload_optimizer` (ZeRO >= 1) keeps the fp32 master weights and Adam's moments in host memory and steps
+    them there; `offload_params` (ZeRO-3) keeps the parameter shards there between uses. Both trade PCIe
+    traffic for accelerator memory; on a CPU world they change nothing but run the same code.
     """
     import deepspeed
 
@@ -94,7 +105,11 @@ def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": {"stage": zero_stage,
+                              **({"offload_optimizer": {"device": "cpu"}} if offload_optimizer else {}),
+                              **({"offload_param": {"device": "cpu"}} if offload_params else {})},
+        # torch's AdamW steps the offloaded fp32 state on the host (DeepSpeedCPUAdam would need a JIT build)
+        "zero_force_ds_cpu_optimizer": False,
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": dtype == torch.float16},
         "zero_allow_untested_optimizer": True,
@@ -114,6 +129,11 @@ def accumulate_and_step(engine, micro_losses) -> float:
     losses = list(micro_losses)
     for i, compute in enumerate(losses):
         engine.set_gradient_accumulation_boundary(i == len(losses) - 1)
+        # What engine.forward does before a forward and we must do too (our forwards call engine.module): ZeRO-3
+        # counts micro-steps there, and at micro-step 0 a backward *replaces* the partitioned gradients instead
+        # of adding to them; without it only the last micro-batch's gradient survived.
+        if hasattr(engine.optimizer, "clear_backward_seen_flag"):
+            engine.optimizer.clear_backward_seen_flag()
         loss = compute()
         engine.backward(loss, scale_wrt_gas=False)
     norm = engine.get_global_grad_norm() if engine.zero_optimization_stage() > 0 else None
@@ -126,6 +146,25 @@ def accumulate_and_step(engine, micro_losses) -> float:
     return float(norm) if norm is not None else float("nan")
 
 
+def to_universal(state: Path, out: Path) -> None:
+    """DeepSpeed's conversion of a ZeRO checkpoint (`state`: one tag folder) into a universal one at `out`
+    (in this process: no worker pool inside a Ray actor)."""
+    import argparse
+    import contextlib
+    import io
+    import shutil
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    if out.exists():
+        shutil.rmtree(out)
+    args = argparse.Namespace(input_folder=str(state), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per step
+        ds_to_universal.main(args)
+    (out / ".complete").touch()
+
+
 @dataclass
 class OptimConfig:
     learning_rate: float = 1e-6
@@ -134,6 +173,15 @@ class OptimConfig:
     zero_stage: int = 0
     micro_batch_tokens: int = 4096  # rows × padded length per forward/backward
     gradient_checkpointing: bool = False
+    pack_micro_batches: bool = True  # packed rows where the model supports them (models/batching.py), else padded
+    offload_optimizer: bool = False  # ZeRO >= 1: optimizer state and master weights in host memory
+    offload_params: bool = False  # ZeRO-3: parameter shards in host memory
+
+    def __post_init__(self):
+        if self.offload_optimizer and self.zero_stage < 1:
+            raise ValueError("offload_optimizer needs zero_stage >= 1 (ZeRO partitions the optimizer it offloads)")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("offload_params needs zero_stage = 3 (only ZeRO-3 partitions the parameters)")
 
 
 class DeepSpeedWorker:
@@ -155,8 +203,11 @@ class DeepSpeedWorker:
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,
-                                       optim.zero_stage, dtype)
+                                       optim.zero_stage, dtype, optim.offload_optimizer, optim.offload_params)
         self.device = self.engine.device
+        from models.loading import supports_packed_sequences
+
+        self.packed = optim.pack_micro_batches and supports_packed_sequences(model)
 
     @property
     def module(self) -> nn.Module:
@@ -171,20 +222,29 @@ class DeepSpeedWorker:
         return {"rank": self.rank, "world_size": self.world_size, "node": node, "gpus": [str(g) for g in gpus],
                 "device": str(self.device)}
 
-    def micro_batches(self, samples: list[dict], fields: tuple[str, ...]):
-        """This rank's micro-batches; with several ranks, padded with empty ones to the largest count of any rank
-        (`MicroBatch.padding`), so every rank runs the same forwards and backwards (ZeRO-3 gathers parameters
-        in each forward, collectively)."""
-        from models.batching import make_micro_batches, padding_micro_batch
-
-        batches = make_micro_batches(samples, fields, self.optim.micro_batch_tokens, self.device)
+    def micro_batches(self, batch: TokenBatch, fields: tuple[str, ...]) -> list[MicroBatch]:
+        """This rank's micro-batches (packed where the model supports it); with several ranks, padded with empty
+        ones to the largest count of any rank (`MicroBatch.padding`), so every rank runs the same forwards and
+        backwards (ZeRO-3 gathers parameters in each forward, collectively)."""
+        batches = make_micro_batches(batch, fields, self.optim.micro_batch_tokens, self.device, self.packed)
         if self.world_size > 1:
             count = int(self.all_reduce([len(batches)], "max")[0])
-            batches += [padding_micro_batch(fields, self.device) for _ in range(count - len(batches))]
+            batches += [padding_micro_batch(fields, self.device, self.packed) for _ in range(count - len(batches))]
             if self.optim.zero_stage == 3:  # one shape per micro-batch index on every rank (models/glm5/parallel.py)
                 widths = self.all_reduce([mb.tensors["input_ids"].shape[1] for mb in batches], "max")
                 batches = [mb.widened(int(w)) for mb, w in zip(batches, widths)]
         return batches
+
+    def ppo_steps(self, batch: TokenBatch, mini_batches: int, epochs: int, seed: int):
+        """The optimiser steps of an update over this rank's shard: yields (epoch, the step's samples, the step's
+        action-token count over all ranks: the token-mean's denominator, docs/ALGORITHMS.md §1.8).
+
+        A mini-batch is every rank's g-th group; the group count is capped by the smallest shard of any rank, so
+        that every rank takes the same number of optimiser steps (each a collective)."""
+        groups = max(1, min(mini_batches, int(self.all_reduce([len(batch)], "min")[0])))
+        for epoch, group in ppo_mini_batches(batch, groups, epochs, seed):
+            local = float(group.fields["loss_mask"].sum()) if len(group) else 0.0
+            yield epoch, group, self.all_reduce([local])[0] or 1.0
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         """Sum (or max, min) of `values` over the ranks of this model; the values themselves on one rank."""
@@ -203,42 +263,90 @@ class DeepSpeedWorker:
         global token count, so each rank's loss is multiplied by the world size to make the average a sum."""
         return float(self.world_size)
 
-    def gathered_state(self, on_device: bool = False) -> dict[str, torch.Tensor]:
-        """Full (unpartitioned) parameters, named as in the HF checkpoint: copies on the CPU, or on the
-        worker's device with `on_device` (an engine sharing the GPU reads them there)."""
-        import deepspeed
+    def weight_stream(self, bucket_mb: float, shared: bool = False, on_device: bool = False,
+                      names: list[str] | None = None) -> WeightBuckets:
+        """The parameters (all, or `names`) as buckets gathered one at a time (models/weight_stream.py); every
+        rank must walk it. Rank 0 keeps every bucket, or with `shared` each rank its share (bucket i on rank
+        i mod N)."""
+        owner = (lambda i: i % self.world_size) if shared else (lambda i: 0)
+        return WeightBuckets(self.module, bucket_mb, self.optim.zero_stage == 3, self.rank, owner, on_device, names)
 
-        params = dict(self.module.named_parameters())
+    def gathered_state(self, on_device: bool = False, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Full (unpartitioned) parameters (all, or `names`), named as in the HF checkpoint, on rank 0 (empty
+        elsewhere; every rank takes part): copies on the CPU, or on the worker's device with `on_device`. For
+        checks and tests; syncs and exports walk `weight_stream` instead."""
+        stream = self.weight_stream(256, on_device=on_device, names=names)
+        return {k: v for bucket in stream for k, v in bucket.items()}
 
-        def copy(v: torch.Tensor) -> torch.Tensor:
-            return v.detach().clone() if on_device else v.detach().cpu().clone()
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's full shape, gathering nothing."""
+        return full_shapes(self.module)
 
-        if self.optim.zero_stage == 3:  # collective: every rank gathers, rank 0 keeps the copy
-            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-                return {k: copy(v) for k, v in params.items()} if self.rank == 0 else {}
-        return {k: copy(v) for k, v in params.items()} if self.rank == 0 else {}
-
-    def save_hf(self, folder: str, tokenizer_from: str | None = None) -> None:
-        """HF-format folder (config.json + safetensors) that transformers and our engines load as it is."""
-        from pathlib import Path
-
-        state = self.gathered_state()  # every rank takes part (ZeRO-3); rank 0 writes
+    def save_hf(self, folder: str, tokenizer_from: str | None = None) -> int:
+        """HF-format folder (config.json + safetensors shards) that transformers and our engines load as it is,
+        written by rank 0 one gathered shard at a time (never the whole model on one rank). Returns the bytes
+        written (0 on the other ranks)."""
+        written = write_hf_streamed(self.module, self.weight_stream(HF_SHARD_MB), folder, write=self.rank == 0)
         if self.rank != 0:
-            return
-        self.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+            return 0
         if tokenizer_from:
             from models.loading import load_tokenizer
 
             load_tokenizer(tokenizer_from).save_pretrained(folder)
         Path(folder, ".complete").touch()
+        return written
 
     def save_state(self, folder: str) -> None:
-        """Engine state: weights, optimizer moments, step counters (resumable exactly)."""
-        self.engine.save_checkpoint(folder, tag="state", save_latest=False)
+        """Engine state: weights, optimizer moments, step counters (resumable exactly), every rank its own ZeRO
+        partition, and `layout.json` (ranks, ZeRO stage) so that a resume on another rank count knows to
+        convert it (`load_state`)."""
+        import json
+
+        from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                    UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+        info = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+        self.engine.save_checkpoint(folder, tag="state", client_state=info, save_latest=False)
+        if self.rank == 0:
+            layout = {"world_size": self.world_size, "zero_stage": self.optim.zero_stage}
+            Path(folder, "layout.json").write_text(json.dumps(layout) + "\n")
 
     def load_state(self, folder: str) -> None:
-        path, _ = self.engine.load_checkpoint(folder, tag="state", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        """Resume the engine state of `save_state`, on the same rank count or another.
+
+        ZeRO-0 keeps whole states (any rank count loads them); ZeRO-1..3 states are partitioned by rank, so a
+        checkpoint from another rank count (or another ZeRO stage >= 1) is first converted by rank 0 into
+        DeepSpeed's universal checkpoint (`<folder>/universal`: one fp32 weight, Adam moment and step per
+        parameter, kept for later resumes) and every rank loads its new partition from that: weights and Adam
+        moments are restored exactly, not reset."""
+        import json
+
+        saved = {"world_size": self.world_size, "zero_stage": self.optim.zero_stage}
+        if Path(folder, "layout.json").exists():
+            saved = json.loads(Path(folder, "layout.json").read_text())
+        stage = self.optim.zero_stage
+        same = saved["world_size"] == self.world_size and saved["zero_stage"] == stage
+        if same or (saved["zero_stage"] == 0 and stage == 0):
+            path, _ = self.engine.load_checkpoint(folder, tag="state", load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        elif saved["zero_stage"] == 0 or stage == 0:
+            raise ValueError(f"{folder}: saved with trainer.zero_stage={saved['zero_stage']} on "
+                             f"{saved['world_size']} ranks; resuming with zero_stage={stage} on {self.world_size} "
+                             "ranks needs the same stage when either is 0 (start from its hf/ export instead)")
+        else:
+            log.info("%s: saved on %d ranks (ZeRO-%d), resuming on %d (ZeRO-%d) through a universal checkpoint",
+                     folder, saved["world_size"], saved["zero_stage"], self.world_size, stage)
+            universal = Path(folder, "universal")
+            if self.rank == 0 and not (universal / "state" / ".complete").exists():
+                to_universal(Path(folder, "state"), universal / "state")
+            if self.world_size > 1:
+                torch.distributed.barrier()
+            self.engine._config.load_universal_checkpoint = True  # read by load_checkpoint and the ZeRO optimizer
+            try:
+                path, _ = self.engine.load_checkpoint(str(universal), tag="state", load_optimizer_states=True,
+                                                      load_lr_scheduler_states=True)
+            finally:
+                self.engine._config.load_universal_checkpoint = False
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}")
         # The optimizer's state_dict carries its hyper-parameters; the run's config wins (a resumed run with a

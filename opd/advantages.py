@@ -11,27 +11,30 @@ tokens is the per-domain reverse-KL estimate that should fall during distillatio
 
 from __future__ import annotations
 
+import torch
+
 
 def opd_advantages(samples: list[dict], kl_coef: float, kl_clip: float, add_to_existing: bool = False) -> dict:
-    """Set (or add to) `advantages` of every sample from its `rollout_logprobs` and `teacher_logprobs`.
-    Samples carry `domain`. Returns per-domain reverse-KL means and the clipped fraction."""
-    per_domain: dict[str, list[float]] = {}
+    """Set (or add to) `advantages` of every sample (float32 tensors) from its `rollout_logprobs` and
+    `teacher_logprobs`. Samples carry `domain`. Returns per-domain reverse-KL means and the clipped fraction."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     clipped = tokens = 0
     for s in samples:
-        mask, mu, teacher = s["loss_mask"], s["rollout_logprobs"], s["teacher_logprobs"]
-        adv = list(s["advantages"]) if add_to_existing else [0.0] * len(mask)
-        for i, m in enumerate(mask):
-            if not m:
-                continue
-            d = mu[i] - teacher[i]
-            per_domain.setdefault(s["domain"], []).append(d)
-            c = max(-kl_clip, min(kl_clip, d))
-            clipped += c != d
-            tokens += 1
-            adv[i] -= kl_coef * c
-        s["advantages"] = adv
-    metrics = {f"opd/reverse_kl/{d}": sum(v) / len(v) for d, v in per_domain.items()}
-    metrics["opd/reverse_kl"] = sum(sum(v) for v in per_domain.values()) / max(tokens, 1)
+        mask = torch.as_tensor(s["loss_mask"]) > 0
+        d = (torch.as_tensor(s["rollout_logprobs"], dtype=torch.float64)
+             - torch.as_tensor(s["teacher_logprobs"], dtype=torch.float64))[mask]
+        c = d.clamp(-kl_clip, kl_clip)
+        adv = torch.as_tensor(s["advantages"], dtype=torch.float64).clone() if add_to_existing \
+            else torch.zeros(len(mask), dtype=torch.float64)
+        adv[mask] -= kl_coef * c
+        s["advantages"] = adv.float()
+        sums[s["domain"]] = sums.get(s["domain"], 0.0) + float(d.sum())
+        counts[s["domain"]] = counts.get(s["domain"], 0) + len(d)
+        clipped += int((c != d).sum())
+        tokens += len(d)
+    metrics = {f"opd/reverse_kl/{dom}": sums[dom] / counts[dom] for dom in sums if counts[dom]}
+    metrics["opd/reverse_kl"] = sum(sums.values()) / max(tokens, 1)
     metrics["opd/clipped_frac"] = clipped / max(tokens, 1)
     metrics["opd/tokens"] = tokens
     return metrics

@@ -15,7 +15,8 @@ import time
 import torch
 
 from models import load_model, load_tokenizer, policy_logprobs, resolve_model_path, to_dtype
-from models.batching import make_micro_batches, unbatch
+from models.batching import TokenBatch, make_micro_batches, unbatch
+from models.loading import supports_packed_sequences
 
 
 def check_same_tokenizer(student: str, teachers: dict[str, str]) -> None:
@@ -65,32 +66,35 @@ class TeacherWorker:
             self.model.requires_grad_(False)
             self.dtype = to_dtype(dtype)
 
-    def score(self, samples: list[dict]) -> list[list[float]]:
+    def score(self, samples: list[dict]) -> list[torch.Tensor]:
+        """The teacher's logprob of every action token of every sample (0 elsewhere), one tensor per sample."""
         started = time.perf_counter()
         out = self._score_sglang(samples) if self.server is not None else self._score_local(samples)
         self.busy_s += time.perf_counter() - started
-        self.scored_tokens += sum(sum(s["loss_mask"]) for s in samples)
+        self.scored_tokens += int(sum(float(torch.as_tensor(s["loss_mask"]).sum()) for s in samples))
         return out
 
     @torch.no_grad()
-    def _score_local(self, samples: list[dict]) -> list[list[float]]:
-        batches = make_micro_batches(samples, ("loss_mask",), self.micro_batch_tokens, self.device)
+    def _score_local(self, samples: list[dict]) -> list[torch.Tensor]:
+        batch = TokenBatch.from_samples(samples, ("loss_mask",))
+        batches = make_micro_batches(batch, ("loss_mask",), self.micro_batch_tokens, self.device,
+                                     packed=supports_packed_sequences(self.model))
         outs = [policy_logprobs(self.model, mb.tensors["input_ids"], mb.tensors["attention_mask"], self.temperature,
-                                only=mb.tensors["loss_mask"])[0] for mb in batches]
-        return unbatch(batches, outs, len(samples))
+                                only=mb.tensors["loss_mask"], position_ids=mb.position_ids)[0] for mb in batches]
+        return batch.split(unbatch(batches, outs, batch))
 
-    def _score_sglang(self, samples: list[dict]) -> list[list[float]]:
+    def _score_sglang(self, samples: list[dict]) -> list[torch.Tensor]:
         from rollout.sglang.client import SGLangClient
 
         async def one(client, s):
             body = await client.post("/generate", {
-                "input_ids": s["token_ids"], "return_logprob": True, "logprob_start_len": 0,
+                "input_ids": torch.as_tensor(s["token_ids"]).tolist(), "return_logprob": True, "logprob_start_len": 0,
                 "sampling_params": {"max_new_tokens": 0, "temperature": self.temperature}})
             lps = [lp for lp, *_ in body["meta_info"]["input_token_logprobs"]]  # entry t: log p(x_t | x_<t)
             if len(lps) != len(s["token_ids"]):
                 raise RuntimeError(f"teacher {self.name}: {len(lps)} input logprobs for {len(s['token_ids'])} "
                                    f"tokens from {self.server.url}")
-            return [float(lp) if (m and lp is not None) else 0.0 for lp, m in zip(lps, s["loss_mask"])]
+            return torch.tensor([float(lp) if (m and lp is not None) else 0.0 for lp, m in zip(lps, s["loss_mask"])])
 
         async def all_of():
             client = SGLangClient(self.server.url, self.request_timeout_s)

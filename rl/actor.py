@@ -8,8 +8,9 @@ import torch
 
 from critic.losses import masked_sum
 from models import load_model, policy_logprobs, to_dtype
-from models.batching import ppo_mini_batches, unbatch
+from models.batching import TokenBatch, as_token_batch, unbatch
 from models.training import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
+from models.weight_stream import WeightBuckets
 from rl.config import AlgorithmConfig
 from rl.losses import kl_estimate, ppo_policy_loss, rollout_correction
 
@@ -32,6 +33,9 @@ def needs_reference(algo: AlgorithmConfig) -> bool:
 
 
 class ActorWorker(DeepSpeedWorker):
+    # The per-token fields train_step reads (besides token_ids); the group sends those the samples have.
+    TRAIN_FIELDS = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs")
+
     def __init__(self, model_path: str, optim: OptimConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None):
         self.model_path = model_path
@@ -46,23 +50,26 @@ class ActorWorker(DeepSpeedWorker):
             self.reference.requires_grad_(False)
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[dict]) -> dict[str, list[list[float]]]:
-        """π_old (this step's proximal policy) and, if kept, π_ref logprobs of every action token."""
+    def compute_logprobs(self, samples: list[dict] | TokenBatch) -> dict[str, torch.Tensor]:
+        """π_old (this step's proximal policy) and, if kept, π_ref logprobs of every action token: flat tensors
+        in the batch's layout (`TokenBatch.split` gives one per sample)."""
+        batch = as_token_batch(samples, ("loss_mask",))
         self.module.eval()
-        batches = self.micro_batches(samples, ("loss_mask",))
+        batches = self.micro_batches(batch, ("loss_mask",))
         old, ref = [], []
         for mb in batches:
-            ids, attn, only = mb.tensors["input_ids"], mb.tensors["attention_mask"], mb.tensors["loss_mask"]
-            old.append(policy_logprobs(self.module, ids, attn, self.temperature, only=only)[0])
+            args = (mb.tensors["input_ids"], mb.tensors["attention_mask"], self.temperature)
+            kwargs = dict(only=mb.tensors["loss_mask"], position_ids=mb.position_ids)
+            old.append(policy_logprobs(self.module, *args, **kwargs)[0])
             if self.reference is not None:
-                ref.append(policy_logprobs(self.reference, ids, attn, self.temperature, only=only)[0])
+                ref.append(policy_logprobs(self.reference, *args, **kwargs)[0])
         release_memory()
-        out = {"old_logprobs": unbatch(batches, old, len(samples))}
+        out = {"old_logprobs": unbatch(batches, old, batch)}
         if self.reference is not None:
-            out["ref_logprobs"] = unbatch(batches, ref, len(samples))
+            out["ref_logprobs"] = unbatch(batches, ref, batch)
         return out
 
-    def train_step(self, samples: list[dict], seed: int = 0) -> dict:
+    def train_step(self, samples: list[dict] | TokenBatch, seed: int = 0) -> dict:
         """PPO's update on the step's segments: `algorithm.ppo_epochs` passes, each split into
         `algorithm.mini_batches` random groups, one optimiser step per group with the token-mean of that group
         (docs/ALGORITHMS.md §1.8); the defaults make one step over the whole batch.
@@ -74,8 +81,9 @@ class ActorWorker(DeepSpeedWorker):
         on the ratio π/π_old moves and the clip acts (`actor/clipfrac`, `actor/approx_kl`)."""
         started = time.perf_counter()
         a = self.algo
+        batch = as_token_batch(samples, self.TRAIN_FIELDS)
         # the same on every rank (a rank's shard may be empty): the fields decide the micro-batches' tensors
-        have_old = self.all_reduce([float(bool(samples) and "old_logprobs" in samples[0])], "max")[0] > 0
+        have_old = self.all_reduce([float(len(batch) > 0 and batch.has("old_logprobs"))], "max")[0] > 0
         if a.ppo_epochs * a.mini_batches > 1 and not have_old:
             raise ValueError("several optimiser steps per batch need old_logprobs from compute_logprobs, "
                              "computed before the update")
@@ -85,17 +93,13 @@ class ActorWorker(DeepSpeedWorker):
         self.module.train()
         sums = dict.fromkeys(_SUMMED + (("kl_ref",) if self.reference is not None else ()), 0.0)
         grad_norms, tokens_seen = [], 0.0
-        # With several ranks each holds a shard: a mini-batch is every rank's g-th group, as many on each rank.
-        groups = min(a.mini_batches, int(self.all_reduce([len(samples)], "min")[0]))
-        for _, group in ppo_mini_batches(samples, max(groups, 1), a.ppo_epochs, seed):
-            local = sum(float(sum(s["loss_mask"])) for s in group)
-            denom = self.all_reduce([local])[0] or 1.0  # pre-rejection count over all ranks (§1.8)
+        for _, group, denom in self.ppo_steps(batch, a.mini_batches, a.ppo_epochs, seed):
             grad_norms.append(self._optimiser_step(group, fields, have_old, denom, sums))
             tokens_seen += denom
         release_memory()
         sums = dict(zip(sums, self.all_reduce(list(sums.values()))))
         steps = len(grad_norms)
-        tokens = self.all_reduce([sum(len(s["token_ids"]) for s in samples)])[0]
+        tokens = self.all_reduce([batch.num_tokens])[0]
         elapsed = time.perf_counter() - started
         metrics = {
             "actor/loss": sums["loss"] / steps, "actor/pg_loss": sums["pg"] / steps,
@@ -113,7 +117,7 @@ class ActorWorker(DeepSpeedWorker):
             metrics["actor/kl_ref"] = sums["kl_ref"] / tokens_seen
         return metrics
 
-    def _optimiser_step(self, samples: list[dict], fields: tuple[str, ...], have_old: bool, denom: float,
+    def _optimiser_step(self, samples: TokenBatch, fields: tuple[str, ...], have_old: bool, denom: float,
                         sums: dict[str, float]) -> float:
         """One optimiser step over `samples` (micro-batched), loss = Σ per-token terms / denom; adds the step's
         statistics (masked sums) into `sums`; returns the gradient norm."""
@@ -127,11 +131,12 @@ class ActorWorker(DeepSpeedWorker):
             def compute():
                 t = mb.tensors
                 if mb.padding:  # keeps this rank's collectives in step with the others; contributes nothing
-                    logp, _ = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature)
+                    logp, _ = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
+                                              position_ids=mb.position_ids)
                     return logp.sum() * 0.0
                 mask = t["loss_mask"]
                 logp, entropy = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
-                                                with_entropy=True, only=mask)
+                                                with_entropy=True, only=mask, position_ids=mb.position_ids)
                 old = t["old_logprobs"] if have_old else logp.detach()
                 weights, keep, corr = rollout_correction(old, t["rollout_logprobs"], mask, a.tis_low, a.tis_high,
                                                          a.mask_low or None, a.mask_high or None, a.veto or None)
@@ -157,25 +162,19 @@ class ActorWorker(DeepSpeedWorker):
 
         return accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches])
 
-    def weight_buckets(self, bucket_mb: int, on_device: bool = False) -> list[dict[str, torch.Tensor]]:
-        """The policy's parameters in buckets of about `bucket_mb` MB, in a fixed order."""
-        buckets, current, size = [], {}, 0
-        limit = bucket_mb * 1024 * 1024
-        for name, tensor in self.gathered_state(on_device).items():
-            current[name] = tensor
-            size += tensor.numel() * tensor.element_size()
-            if size >= limit:
-                buckets.append(current)
-                current, size = {}, 0
-        if current:
-            buckets.append(current)
-        return buckets
+    def weight_buckets(self, bucket_mb: int, on_device: bool = False) -> WeightBuckets:
+        """The policy's parameters in buckets of about `bucket_mb` MB, in a fixed order, gathered one bucket at a
+        time (every rank walks them; rank 0 keeps them)."""
+        return self.weight_stream(bucket_mb, on_device=on_device)
 
-    def weight_bucket_refs(self, bucket_mb: int) -> list:
-        """Buckets put into Ray's object store once; every rollout worker pulls them from there."""
+    def weight_bucket_refs(self, bucket_mb: int) -> list[tuple[int, object]]:
+        """This rank's share of the buckets (bucket i on rank i mod N), each put into Ray's object store once, as
+        (bucket index, ref); every rollout worker pulls them from there. Under ZeRO-0..2 each rank copies its
+        share from its own full parameters, so N ranks put the model in parallel without communicating."""
         import ray
 
-        return [ray.put(b) for b in self.weight_buckets(bucket_mb)]
+        stream = self.weight_stream(bucket_mb, shared=True)
+        return [(i, ray.put(b)) for i, b in enumerate(stream) if b]
 
     def sync_sglang(self, urls: list[str], version: int, mode: str, bucket_mb: int, pause_mode: str = "abort",
                     folder: str = "", tp_sizes: list[int] | None = None, new_group: bool = False) -> dict:
@@ -187,17 +186,18 @@ class ActorWorker(DeepSpeedWorker):
         from rollout.sglang import weights as sync
 
         started = time.perf_counter()
-        if self.rank != 0:  # the other ranks take part in gathering the weights (ZeRO-3); rank 0 sends them
+        if self.rank != 0:  # the other ranks take part in gathering each bucket (ZeRO-3); rank 0 sends them
             if mode == "disk":
                 self.save_hf(f"{folder}/v{version}")
             else:
-                self.weight_buckets(bucket_mb, on_device=True)
+                for _ in self.weight_buckets(bucket_mb, on_device=True):
+                    pass
             return {}
         if mode == "disk":
             target = f"{folder}/v{version}"
-            self.save_hf(target)
+            written = self.save_hf(target)
             stats = asyncio.run(sync.sync_from_disk(urls, target, version, pause_mode))
-            stats["bytes"] = sum(p.numel() * p.element_size() for p in self.module.parameters())
+            stats["bytes"] = written
         elif mode == "tensor":
             stats = asyncio.run(sync.sync_from_tensors(urls, self.weight_buckets(bucket_mb, on_device=True), version,
                                                        tp_sizes, pause_mode))

@@ -32,41 +32,54 @@ def trainable(trajectories: list[Trajectory]) -> tuple[list[Trajectory], Counter
 
 
 def to_samples(trajectories: list[Trajectory]) -> list[dict]:
+    """One sample per segment; its per-token fields as 1-D tensors (token ids as int64, the rest float32)."""
     samples = []
     for ti, t in enumerate(trajectories):
         for s in t.segments:
             samples.append({"traj": ti, "segment_index": s.segment_index, "segment_type": s.segment_type,
-                            "token_ids": s.token_ids, "loss_mask": s.loss_mask,
-                            "rollout_logprobs": s.rollout_logprobs})
+                            "token_ids": torch.tensor(s.token_ids, dtype=torch.long),
+                            "loss_mask": torch.tensor(s.loss_mask, dtype=torch.float32),
+                            "rollout_logprobs": torch.tensor(s.rollout_logprobs, dtype=torch.float32)})
     return samples
+
+
+def _by_trajectory(samples: list[dict]) -> dict[int, list[dict]]:
+    """Each trajectory's samples, in segment order."""
+    by_traj: dict[int, list[dict]] = {}
+    for s in samples:
+        by_traj.setdefault(s["traj"], []).append(s)
+    return {t: sorted(v, key=lambda s: s["segment_index"]) for t, v in sorted(by_traj.items())}
+
+
+def _actions(sample: dict) -> torch.Tensor:
+    """Positions of the sample's action tokens."""
+    return torch.as_tensor(sample["loss_mask"]).nonzero().flatten()
 
 
 def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: AlgorithmConfig) -> dict:
     """Fill `advantages`, `returns` and `old_values` of every sample (needs `values`; `old_logprobs` and
-    `ref_logprobs` when the KL is in the reward). Returns metrics about the advantages."""
-    by_traj: dict[int, list[dict]] = {}
-    for s in samples:
-        by_traj.setdefault(s["traj"], []).append(s)
+    `ref_logprobs` when the KL is in the reward), as float32 tensors. Returns metrics about the advantages."""
+    by_traj = _by_trajectory(samples)
     rows_v, rows_r, spans = [], [], []
     kl_total, kl_tokens = 0.0, 0
-    for ti in sorted(by_traj):
-        segs = sorted(by_traj[ti], key=lambda s: s["segment_index"])
+    for ti, segs in by_traj.items():
         values, rewards, span = [], [], []
         for s in segs:
-            idx = [i for i, m in enumerate(s["loss_mask"]) if m]
-            values += [s["values"][i] for i in idx]
+            idx = _actions(s)
+            values.append(torch.as_tensor(s["values"], dtype=torch.float64)[idx])
             if algo.kl_coef > 0:
-                kl = kl_estimate(torch.tensor([s["old_logprobs"][i] for i in idx]),
-                                 torch.tensor([s["ref_logprobs"][i] for i in idx]), algo.kl_estimator)
-                rewards += (-algo.kl_coef * kl).tolist()
+                kl = kl_estimate(torch.as_tensor(s["old_logprobs"])[idx].float(),
+                                 torch.as_tensor(s["ref_logprobs"])[idx].float(), algo.kl_estimator)
+                rewards.append((-algo.kl_coef * kl).double())
                 kl_total += float(kl.sum())
                 kl_tokens += len(idx)
             else:
-                rewards += [0.0] * len(idx)
+                rewards.append(torch.zeros(len(idx), dtype=torch.float64))
             span.append((s, idx))
-        rewards[-1] += trajectories[ti].reward  # terminal reward on the trajectory's last action token
-        rows_v.append(values)
-        rows_r.append(rewards)
+        v, r = torch.cat(values), torch.cat(rewards)
+        r[-1] += trajectories[ti].reward  # terminal reward on the trajectory's last action token
+        rows_v.append(v)
+        rows_r.append(r)
         spans.append(span)
 
     width = max(len(v) for v in rows_v)
@@ -74,9 +87,7 @@ def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: Al
     R = torch.zeros_like(V)
     M = torch.zeros_like(V, dtype=torch.bool)
     for i, (v, r) in enumerate(zip(rows_v, rows_r)):
-        V[i, :len(v)] = torch.tensor(v, dtype=torch.float64)
-        R[i, :len(r)] = torch.tensor(r, dtype=torch.float64)
-        M[i, :len(v)] = True
+        V[i, :len(v)], R[i, :len(r)], M[i, :len(v)] = v, r, True
     lam_policy = adaptive_lambda(M.sum(1), algo.lam_alpha) if algo.lam_alpha > 0 else algo.lam_policy
     adv, _ = compute_gae(R, V, M, algo.gamma, lam_policy)
     _, returns = compute_gae(R, V, M, algo.gamma, algo.lam_critic)
@@ -88,12 +99,12 @@ def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: Al
         pos = 0
         for s, idx in span:
             n = len(s["token_ids"])
-            a, g = [0.0] * n, [0.0] * n
-            for i in idx:
-                a[i] = float(adv[row, pos])
-                g[i] = float(returns[row, pos])
-                pos += 1
-            s["advantages"], s["returns"], s["old_values"] = a, g, s["values"]
+            a, g = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
+            a[idx] = adv[row, pos:pos + len(idx)].float()
+            g[idx] = returns[row, pos:pos + len(idx)].float()
+            pos += len(idx)
+            s["advantages"], s["returns"] = a, g
+            s["old_values"] = torch.as_tensor(s["values"], dtype=torch.float32)
     metrics = {"adv/raw_std": raw_std, "adv/mean_return": float(returns[M].mean()),
                "adv/mean_value": float(V[M].mean())}
     if kl_tokens:
@@ -104,14 +115,9 @@ def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: Al
 def boundary_value_drop(samples: list[dict]) -> float | None:
     """Mean V(first action of segment k+1) − V(last action of segment k) over compaction boundaries
     (docs/ALGORITHMS.md §2.6: negative means the summary lost information)."""
-    by_traj: dict[int, list[dict]] = {}
-    for s in samples:
-        by_traj.setdefault(s["traj"], []).append(s)
     drops = []
-    for segs in by_traj.values():
-        segs = sorted(segs, key=lambda s: s["segment_index"])
+    for segs in _by_trajectory(samples).values():
         for prev, nxt in zip(segs, segs[1:]):
-            last = max(i for i, m in enumerate(prev["loss_mask"]) if m)
-            first = min(i for i, m in enumerate(nxt["loss_mask"]) if m)
-            drops.append(nxt["values"][first] - prev["values"][last])
+            last, first = int(_actions(prev)[-1]), int(_actions(nxt)[0])
+            drops.append(float(nxt["values"][first]) - float(prev["values"][last]))
     return sum(drops) / len(drops) if drops else None

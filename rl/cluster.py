@@ -69,7 +69,9 @@ def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Wo
         fleet.start()
     threads = t.torch_threads or 0
     common = dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
-                  micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing)
+                  micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing,
+                  pack_micro_batches=t.pack_micro_batches, offload_optimizer=t.offload_optimizer,
+                  offload_params=t.offload_params)
     actor = TrainerGroup(ActorWorker, t.actor_ranks, t.actor_gpus, "actor",
                          policy, OptimConfig(learning_rate=t.learning_rate, **common), cfg.algorithm,
                          temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=threads)
@@ -202,10 +204,11 @@ def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int
 
     from rollout.sglang.client import SGLangClient, SGLangError
 
-    state = workers.actor.gathered_state()
+    shapes = workers.actor.parameter_shapes()
     served_dtype = workers.served_dtype
-    names = [n for n in state if state[n].dim() <= 2]
+    names = [n for n, shape in shapes.items() if len(shape) <= 2]
     picks = [names[int(i * (len(names) - 1) / max(names_per_server - 1, 1))] for i in range(names_per_server)]
+    state = workers.actor.gathered_state(picks)  # only the compared parameters are gathered
 
     async def read(url: str) -> float:
         client, worst, compared = SGLangClient(url), 0.0, 0

@@ -87,8 +87,13 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     zero_stage: int = 0
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 4096  # positions per forward/backward (rows x width)
     gradient_checkpointing: bool = False
+    # Samples laid end to end in one row per micro-batch where the model supports it (transformers' models;
+    # GLM-5.2 is padded); false: right-padded rows for every model
+    pack_micro_batches: bool = True
+    offload_optimizer: bool = False  # ZeRO >= 1: Adam's state and the fp32 master weights in host memory
+    offload_params: bool = False  # ZeRO-3: the parameter shards in host memory between uses
     eval_every: int = 0  # 0: only before the first and after the last step
     eval_at_start: bool = True
     eval_max_tasks: int = 0  # 0: the whole held-out split
@@ -182,6 +187,10 @@ def validate(cfg: Config) -> None:
     one_of("model.tool_format", cfg.model.tool_format, ["json", "glm"])
     one_of("logging.wandb_mode", cfg.logging.wandb_mode, ["offline", "online", "disabled"])
     one_of("trainer.zero_stage", cfg.trainer.zero_stage, [0, 1, 2, 3])
+    if cfg.trainer.offload_optimizer and cfg.trainer.zero_stage < 1:
+        problems.append("trainer.offload_optimizer needs trainer.zero_stage >= 1 (ZeRO partitions what it offloads)")
+    if cfg.trainer.offload_params and cfg.trainer.zero_stage != 3:
+        problems.append("trainer.offload_params needs trainer.zero_stage=3 (only ZeRO-3 partitions parameters)")
     a = cfg.algorithm
     if a.dual_clip and a.dual_clip <= 1:
         problems.append(f"algorithm.dual_clip={a.dual_clip}: must be > 1 (or 0 to turn it off)")

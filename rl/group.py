@@ -2,9 +2,10 @@
 
 `TrainerGroup` is what the drivers (rl/train.py, opd/distill.py) hold for the actor and for the critic: every call
 goes to all ranks (each a `DeepSpeedWorker` subclass holding its ZeRO shard), with the step's samples split across
-them by token count, and comes back as one answer: rank 0's metrics (already reduced over the ranks), per-sample
-results in the caller's order, rank 0's gathered weights. Collectives (the gradient all-reduce, ZeRO-3's parameter
-gathers, a checkpoint's save) need every rank, so no method talks to one rank alone.
+them by token count (each shard a `TokenBatch` of flat tensors through Ray's object store), and comes back as one
+answer: rank 0's metrics (already reduced over the ranks), per-sample tensors in the caller's order, the weight
+buckets every rank put (each its share). Collectives (the gradient all-reduce, ZeRO-3's parameter gathers, a
+checkpoint's save) need every rank, so no method talks to one rank alone.
 
 Placement: one bundle per rank ({CPU: a sliver, GPU: trainer.*_gpus}), packed onto as few nodes as fit and spread
 over several when one is not enough; the rendezvous address is rank 0's node. On GPUs each rank sees its own
@@ -18,7 +19,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from models.batching import shard_by_tokens
+import torch
+
+from models.batching import as_token_batch, shard_by_tokens
 from models.training import DistEnv
 
 # A rank's CPU reservation: a sliver, so that the ranks do not compete with the rollout workers for Ray's CPU
@@ -42,6 +45,7 @@ class TrainerGroup:
         if ranks < 1:
             raise ValueError(f"{role}: a trainer group needs at least one rank, got {ranks}")
         self.role, self.ranks = role, ranks
+        self.train_fields: tuple[str, ...] = worker_cls.TRAIN_FIELDS  # the per-token fields train_step reads
         bundle = {"CPU": CPU_PER_RANK, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
         self.placement = placement_group([dict(bundle) for _ in range(ranks)], strategy="PACK")
         ray.get(self.placement.ready())
@@ -60,11 +64,22 @@ class TrainerGroup:
     def _all(self, method: str, *args, **kwargs) -> list:
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
-    def _sharded(self, method: str, samples: list[dict], *args) -> tuple[list[list[int]], list]:
-        shards = shard_by_tokens(samples, self.ranks)
-        results = ray.get([getattr(w, method).remote([samples[i] for i in shard], *args)
-                           for w, shard in zip(self.workers, shards)])
+    def _sharded(self, method: str, samples: list[dict], fields: tuple[str, ...], *args) -> tuple[list, list]:
+        """Every rank gets its shard as a TokenBatch (flat tensors of `fields`, those the samples have); returns
+        ((sample indices, TokenBatch) per rank, each rank's answer)."""
+        batch = as_token_batch(samples, fields)
+        shards = [(indices, batch.select(indices)) for indices in shard_by_tokens(batch, self.ranks)]
+        results = ray.get([getattr(w, method).remote(shard, *args) for w, (_, shard) in zip(self.workers, shards)])
         return shards, results
+
+    @staticmethod
+    def _per_sample(count: int, shards: list, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Flat per-rank results → one tensor per sample, in the caller's order."""
+        out: list = [None] * count
+        for (indices, shard), flat in zip(shards, flats):
+            for i, v in zip(indices, shard.split(flat)):
+                out[i] = v
+        return out
 
     def ready(self) -> None:
         self._all("__ray_ready__")
@@ -74,31 +89,30 @@ class TrainerGroup:
         return self._all("placement_info")
 
     def train_step(self, samples: list[dict], *args) -> dict:
-        _, results = self._sharded("train_step", samples, *args)
+        _, results = self._sharded("train_step", samples, self.train_fields, *args)
         return {**results[0], f"{self.role}/ranks": self.ranks}
 
-    def compute_logprobs(self, samples: list[dict]) -> dict[str, list[list[float]]]:
-        shards, results = self._sharded("compute_logprobs", samples)
-        out: dict[str, list] = {key: [None] * len(samples) for key in results[0]}
-        for shard, result in zip(shards, results):
-            for key, values in result.items():
-                for i, v in zip(shard, values):
-                    out[key][i] = v
-        return out
+    def compute_logprobs(self, samples: list[dict]) -> dict[str, list[torch.Tensor]]:
+        """π_old (and π_ref) per sample: {name: one 1-D tensor per sample, in the caller's order}."""
+        shards, results = self._sharded("compute_logprobs", samples, ("loss_mask",))
+        return {key: self._per_sample(len(samples), shards, [r[key] for r in results]) for key in results[0]}
 
-    def compute_values(self, samples: list[dict]) -> list[list[float]]:
-        shards, results = self._sharded("compute_values", samples)
-        out: list = [None] * len(samples)
-        for shard, values in zip(shards, results):
-            for i, v in zip(shard, values):
-                out[i] = v
-        return out
+    def compute_values(self, samples: list[dict]) -> list[torch.Tensor]:
+        """V per sample: one 1-D tensor per sample, in the caller's order."""
+        shards, results = self._sharded("compute_values", samples, ())
+        return self._per_sample(len(samples), shards, results)
 
     def weight_bucket_refs(self, bucket_mb: int) -> list:
-        return self._all("weight_bucket_refs", bucket_mb)[0]
+        """Every bucket's object-store ref, in bucket order; each rank put its own share."""
+        return [ref for _, ref in sorted((pair for share in self._all("weight_bucket_refs", bucket_mb)
+                                          for pair in share), key=lambda pair: pair[0])]
 
-    def gathered_state(self) -> dict:
-        return self._all("gathered_state")[0]
+    def gathered_state(self, names: list[str] | None = None) -> dict:
+        """Rank 0's gathered copy of the parameters (all, or `names`)."""
+        return self._all("gathered_state", False, names)[0]
+
+    def parameter_shapes(self) -> dict:
+        return self._all("parameter_shapes")[0]
 
     def sync_sglang(self, *args) -> dict:
         return self._all("sync_sglang", *args)[0]

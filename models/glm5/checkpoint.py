@@ -46,6 +46,19 @@ def _is_critic(model: nn.Module) -> bool:
     return hasattr(model, "score") and not hasattr(model, "lm_head")
 
 
+def hf_config(model: nn.Module) -> dict:
+    """The config.json of `model` in GLM-5.2's HF form: architecture, the weights' dtype, never quantised."""
+    config: Glm5Config = model.config
+    hf = config.to_hf()
+    hf["architectures"] = [CRITIC_ARCH if _is_critic(model) else POLICY_ARCH]
+    weight_dtype = model.get_input_embeddings().weight.dtype
+    hf["dtype"] = _DTYPE_NAMES.get(weight_dtype, str(weight_dtype).replace("torch.", ""))
+    hf.pop("quantization_config", None)  # what we write is never quantised
+    if _is_critic(model):
+        hf["num_labels"] = 1
+    return hf
+
+
 def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
             max_shard_size: int | str = "5GB") -> None:
     """Write config.json and the weights, sharded when they exceed `max_shard_size` (then with the index file).
@@ -62,14 +75,7 @@ def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Te
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     for k in [k for k in state if k.endswith("e_score_correction_bias")]:
         state[k] = state[k].float()
-    config: Glm5Config = model.config
-    hf = config.to_hf()
-    hf["architectures"] = [CRITIC_ARCH if _is_critic(model) else POLICY_ARCH]
-    weight_dtype = model.get_input_embeddings().weight.dtype
-    hf["dtype"] = _DTYPE_NAMES.get(weight_dtype, str(weight_dtype).replace("torch.", ""))
-    hf.pop("quantization_config", None)  # what we write is never quantised
-    if _is_critic(model):
-        hf["num_labels"] = 1
+    hf = hf_config(model)
 
     from safetensors.torch import save_file
 

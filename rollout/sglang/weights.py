@@ -181,9 +181,9 @@ async def _paused(clients: list[SGLangClient], mode: str, update) -> None:
 async def sync_from_tensors(urls: list[str], buckets: Iterable[Mapping[str, torch.Tensor]], version: int,
                             tp_sizes: list[int] | None = None, pause_mode: str = "abort") -> dict:
     """Colocated servers copy each bucket from our GPU memory (CUDA IPC). Every TP rank of a server gets the
-    same handle; each loads its own shard of the full tensors."""
+    same handle; each loads its own shard of the full tensors. `buckets` has a length and is walked once, one
+    bucket alive at a time (a trainer's stream gathers each bucket as it is reached)."""
     stats = {"buckets": 0, "bytes": 0}
-    buckets = list(buckets)
     async with _clients(urls) as clients:
 
         async def update():
@@ -223,9 +223,8 @@ async def sync_over_group(urls: list[str], buckets: Iterable[Mapping[str, torch.
             await asyncio.gather(*joins)
 
         async def update():
-            items = list(buckets)
-            for i, named in enumerate(items):
-                last = i == len(items) - 1
+            for i, named in enumerate(buckets):
+                last = i == len(buckets) - 1
                 names = list(named)
                 tensors = [named[n].detach().to(device).contiguous() for n in names]
                 receives = [asyncio.create_task(c.update_weights_from_distributed(

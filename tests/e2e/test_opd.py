@@ -25,9 +25,13 @@ def config(*overrides):
 
 
 def test_distill_two_teachers_then_resume(tmp_path):
+    """The first step trains the student on two DeepSpeed ranks (ZeRO-2); the resume continues on one, through
+    the universal checkpoint (models/training.py)."""
     from opd.distill import distill
 
-    final = distill(config(f"output_dir={tmp_path}", "trainer.steps=1"))
+    final = distill(config(f"output_dir={tmp_path}", "trainer.steps=1", "trainer.actor_ranks=2",
+                           "trainer.zero_stage=2"))
+    assert final["actor/ranks"] == 2
     run = tmp_path / "opd_tiny"
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
@@ -41,7 +45,9 @@ def test_distill_two_teachers_then_resume(tmp_path):
     assert step["rollout/weight_version"] == 1 and "actor/grad_norm" in step and "critic/value_loss" not in step
     assert (run / "student" / "config.json").exists() and list((run / "student").glob("*.safetensors"))
 
-    final = distill(config(f"output_dir={tmp_path}", "trainer.steps=2", "resume=true"))
+    final = distill(config(f"output_dir={tmp_path}", "trainer.steps=2", "resume=true", "trainer.zero_stage=2"))
+    assert final["actor/ranks"] == 1
+    assert (run / "checkpoints" / "step_000001" / "actor" / "state" / "universal" / "state" / ".complete").exists()
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2] and final["rollout/weight_version"] == 2
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"

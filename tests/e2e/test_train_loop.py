@@ -153,12 +153,13 @@ def test_glm52_tiny_as_policy_and_critic(tmp_path):
 
 def test_two_ranks_per_model_then_resume_on_one(tmp_path):
     """trainer.actor_ranks=2 trainer.critic_ranks=2: each model a DeepSpeed world of two Ray actors (gloo) in a
-    placement group, the samples split between them; weights sync and checkpoint from the group; the run then
-    resumes from that 2-rank checkpoint on one rank per model (ZeRO-0's checkpoint is rank-count free)."""
+    placement group, the samples split between them (packed micro-batches); weights sync (each rank its share)
+    and checkpoint from the group; the run then resumes from that 2-rank ZeRO-2 checkpoint on one rank per model
+    through DeepSpeed's universal checkpoint."""
     from rl.train import train
 
     common = [f"output_dir={tmp_path}", "trainer.eval_at_start=false", "logging.wandb_mode=disabled",
-              "trainer.verify_weight_sync=true", "algorithm.mini_batches=2"]
+              "trainer.verify_weight_sync=true", "algorithm.mini_batches=2", "trainer.zero_stage=2"]
     first = train(config(*common, "trainer.steps=1", "trainer.actor_ranks=2", "trainer.critic_ranks=2"))
     assert first["actor/ranks"] == 2 and first["critic/ranks"] == 2
     assert first["perf/weight_sync_max_abs_diff"] == 0.0 and math.isfinite(first["actor/grad_norm"])
@@ -167,4 +168,6 @@ def test_two_ranks_per_model_then_resume_on_one(tmp_path):
     assert (run / "checkpoints" / "step_000001" / "actor" / "hf" / "model.safetensors").exists()
     second = train(config(*common, "trainer.steps=2", "resume=true"))
     assert second["actor/ranks"] == 1 and second["perf/weight_sync_max_abs_diff"] == 0.0
+    for model in ("actor", "critic"):
+        assert (run / "checkpoints" / "step_000001" / model / "state" / "universal" / "state" / ".complete").exists()
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from models import load_model, policy_logprobs, resolve_model_path, token_values
-from models.batching import make_micro_batches, unbatch
+from models import GLM52_TINY, TINY, load_model, policy_logprobs, resolve_model_path, token_values
+from models.batching import TokenBatch, make_micro_batches, unbatch
+from models.loading import supports_packed_sequences
 
 
 def test_default_policy_is_smollm2_from_the_wheel():
@@ -61,12 +62,83 @@ def test_value_model_starts_at_zero_and_saves_in_hf_format(tiny_path, tmp_path):
     assert values[0, 0] == 0 and values[0, 1:].abs().sum() > 0
 
 
-def test_micro_batches_respect_the_budget_and_roundtrip():
-    samples = [{"token_ids": list(range(n)), "f": [float(i) for i in range(n)]} for n in (5, 30, 12, 7, 30)]
-    batches = make_micro_batches(samples, ("f",), max_tokens=40)
+@pytest.mark.parametrize("packed", [False, True])
+def test_micro_batches_respect_the_budget_and_roundtrip(packed):
+    samples = [{"token_ids": list(range(n)), "f": [float(i) for i in range(n)]} for n in (5, 30, 12, 7, 30, 45, 18)]
+    batch = TokenBatch.from_samples(samples, ("f",))
+    assert batch.fields["token_ids"].dtype == torch.long and batch.fields["f"].dtype == torch.float32
+    batches = make_micro_batches(batch, ("f",), max_tokens=64, packed=packed)
     for mb in batches:
         rows, width = mb.tensors["input_ids"].shape
-        assert rows * width <= 40 or rows == 1
-    assert sorted(i for mb in batches for i in mb.indices) == list(range(5))
-    back = unbatch(batches, [mb.tensors["f"] for mb in batches], len(samples))
-    assert back == [s["f"] for s in samples]
+        assert rows * width <= 64 or len(mb.indices) == 1  # a sample over the budget gets a micro-batch of its own
+        assert width == max(mb.lengths)  # as wide as its longest sample, packed or not
+        if packed:  # positions restart at each sample and in each row's unused tail
+            for r in range(rows):
+                row = [(n, c) for n, (rr, c) in zip(mb.lengths, mb.starts) if rr == r]
+                want = [p for n, _ in row for p in range(n)]
+                want += list(range(width - len(want)))
+                assert mb.position_ids[r].tolist() == want
+    assert sorted(i for mb in batches for i in mb.indices) == list(range(7))
+    positions = sum(mb.tensors["input_ids"].numel() for mb in batches)
+    if packed:  # 45 | 30, 30 | 18, 12+5, 7 (rows of 18): 3 micro-batches; padded needs 4 (5 alone at the end)
+        assert [sorted(len(r) for r in _rows(mb)) for mb in batches] == [[1], [1, 1], [1, 1, 2]]
+        assert positions == 45 + 2 * 30 + 3 * 18
+    else:
+        assert len(batches) == 4 and positions == 45 + 2 * 30 + 3 * 18 + 5
+    back = batch.split(unbatch(batches, [mb.tensors["f"] for mb in batches], batch))
+    assert [t.tolist() for t in back] == [s["f"] for s in samples]  # (position 0 is 0 by construction)
+    # a TokenBatch's selection and split keep each sample's values
+    picked = batch.select([4, 0])
+    assert picked.lengths == [30, 5] and picked.sample(1, "f").tolist() == samples[0]["f"]
+
+
+def _rows(mb) -> list[list[int]]:
+    rows: dict[int, list[int]] = {}
+    for i, (r, _) in zip(mb.indices, mb.starts):
+        rows.setdefault(r, []).append(i)
+    return list(rows.values())
+
+
+def test_packing_never_needs_more_positions_than_padding():
+    g = torch.Generator().manual_seed(3)
+    for budget in (64, 512, 4096):
+        lengths = torch.randint(1, 700, (40,), generator=g).tolist()
+        batch = TokenBatch.from_samples([{"token_ids": [0] * n} for n in lengths])
+        cost = {p: sum(mb.tensors["input_ids"].numel() for mb in make_micro_batches(batch, (), budget, packed=p))
+                for p in (False, True)}
+        assert sum(lengths) <= cost[True] <= cost[False]
+
+
+def test_packed_rows_equal_padded_rows_for_transformers_models_only():
+    """Packing must change nothing but the layout: logprobs and values of every sample equal the padded rows'
+    (tiny-random: the default policy's Llama architecture). GLM-5.2's attention would mix the samples of a
+    packed row, so it is not packed (and the difference shows why)."""
+    g = torch.Generator().manual_seed(0)
+    samples = [{"token_ids": torch.randint(100, 4000, (n,), generator=g),
+                "loss_mask": torch.tensor([0.0] * 3 + [1.0] * (n - 3))} for n in (20, 33, 7, 50, 12)]
+    batch = TokenBatch.from_samples(samples, ("loss_mask",))
+
+    def run(model, packed, role):
+        mbs = make_micro_batches(batch, ("loss_mask",), 128, packed=packed)
+        with torch.no_grad():
+            if role == "policy":
+                outs = [policy_logprobs(model, mb.tensors["input_ids"], mb.tensors["attention_mask"],
+                                        only=mb.tensors["loss_mask"], position_ids=mb.position_ids)[0] for mb in mbs]
+            else:
+                outs = [token_values(model, mb.tensors["input_ids"], mb.tensors["attention_mask"], mb.position_ids)
+                        for mb in mbs]
+        return unbatch(mbs, outs, batch), sum(mb.tensors["input_ids"].numel() for mb in mbs)
+
+    for role in ("policy", "value"):
+        model = load_model(TINY, role).eval()
+        if role == "value":
+            torch.manual_seed(0)
+            model.score.weight.data.normal_()
+        assert supports_packed_sequences(model)
+        (padded, n_padded), (packed, n_packed) = run(model, False, role), run(model, True, role)
+        assert n_packed < n_padded  # positions computed: the short samples filled the padding
+        assert padded.abs().max() > 0.1
+        torch.testing.assert_close(packed, padded, atol=2e-5, rtol=1e-5)
+    glm = load_model(GLM52_TINY, "policy").eval()
+    assert not supports_packed_sequences(glm)
+    assert (run(glm, True, "policy")[0] - run(glm, False, "policy")[0]).abs().max() > 1e-3

@@ -35,11 +35,12 @@ def test_chained_advantages_match_naive_loop_over_the_concatenated_trajectory(la
     r[0, -1] = 1.0
     ref_adv, _ = gae_naive(r, v, mask, 0.95, lam)
     _, ref_ret = gae_naive(r, v, mask, 0.95, 1.0)
-    got_adv = samples[0]["advantages"] + samples[1]["advantages"]
-    got_ret = samples[0]["returns"] + samples[1]["returns"]
-    assert got_adv == pytest.approx(ref_adv[0].tolist(), abs=1e-9)
-    assert got_ret == pytest.approx(ref_ret[0].tolist(), abs=1e-9)
-    assert samples[0]["old_values"] == values[0]
+    got_adv = torch.cat([samples[0]["advantages"], samples[1]["advantages"]])
+    got_ret = torch.cat([samples[0]["returns"], samples[1]["returns"]])
+    assert got_adv.dtype == got_ret.dtype == torch.float32  # per-token fields travel as tensors (rl/group.py)
+    assert got_adv.tolist() == pytest.approx(ref_adv[0].tolist(), abs=1e-6)
+    assert got_ret.tolist() == pytest.approx(ref_ret[0].tolist(), abs=1e-6)
+    assert samples[0]["old_values"].tolist() == pytest.approx(values[0])
 
 
 def test_kl_in_reward_and_whitening():
@@ -51,11 +52,11 @@ def test_kl_in_reward_and_whitening():
         s["ref_logprobs"] = [-1.5] * len(v)
     m = add_advantages(samples, [traj], AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", normalize_advantages=False))
     # γ = λ = 1, V = 0: A at the j-th of N action tokens = −0.1·0.5·(N − j)
-    adv = [a for s in samples for a, k in zip(s["advantages"], s["loss_mask"]) if k]
+    adv = [float(a) for s in samples for a, k in zip(s["advantages"], s["loss_mask"]) if k]
     assert adv == pytest.approx([-0.05 * (5 - j) for j in range(5)])
     assert m["adv/kl_in_reward"] == pytest.approx(0.5)
     add_advantages(samples, [traj], AlgorithmConfig(kl_coef=0.1, normalize_advantages=True))
-    adv = torch.tensor([a for s in samples for a, k in zip(s["advantages"], s["loss_mask"]) if k])
+    adv = torch.tensor([float(a) for s in samples for a, k in zip(s["advantages"], s["loss_mask"]) if k])
     assert abs(float(adv.mean())) < 1e-6
 
 

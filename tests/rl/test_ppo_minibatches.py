@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from critic.worker import CriticWorker
-from models.batching import ppo_mini_batches
+from models.batching import ppo_mini_batches, split_per_sample
 from models.training import OptimConfig
 from rl.actor import ActorWorker, needs_logprob_pass
 from rl.config import AlgorithmConfig
@@ -41,10 +41,10 @@ def _actor(tiny_path, **algo):
 
 def _ppo_samples(worker, n=4):
     samples = batch(n)
-    old = worker.compute_logprobs(samples)["old_logprobs"]
+    old = split_per_sample(samples, worker.compute_logprobs(samples)["old_logprobs"])
     for k, (s, lp) in enumerate(zip(samples, old)):
         sign = 1.0 if k % 2 == 0 else -1.0
-        s.update(old_logprobs=lp, rollout_logprobs=list(lp), advantages=[sign * m for m in s["loss_mask"]])
+        s.update(old_logprobs=lp, rollout_logprobs=lp.clone(), advantages=[sign * m for m in s["loss_mask"]])
     return samples
 
 
@@ -59,15 +59,15 @@ def test_two_mini_batches_equal_two_single_steps_and_the_clip_acts(tiny_path):
     single = _actor(tiny_path)  # same initial weights (the same tiny checkpoint), one step at a time
     single.train_step(first)
     # Hand computation of the second step's clip statistics from the policy after the first step.
-    now = single.compute_logprobs(second)["old_logprobs"]
+    now = split_per_sample(second, single.compute_logprobs(second)["old_logprobs"])
     clipped = approx_kl = tokens = 0.0
     for s, lp in zip(second, now):
         for logp, old, adv, m in zip(lp, s["old_logprobs"], s["advantages"], s["loss_mask"]):
             if not m:
                 continue
-            ratio = torch.exp(torch.tensor(logp - old)).item()
+            ratio = torch.exp(torch.as_tensor(logp - old)).item()
             tokens += 1
-            approx_kl += old - logp
+            approx_kl += float(old - logp)
             # the clipped branch is the larger loss exactly when the ratio left [1 - ε_low, 1 + ε_high] on the
             # side the advantage rewards
             clipped += (adv > 0 and ratio > 1 + CLIP_HIGH) or (adv < 0 and ratio < 1 - CLIP_LOW)
@@ -94,7 +94,7 @@ def test_the_value_clip_binds_from_the_second_step(tiny_path):
     def run(epochs):
         critic = CriticWorker(tiny_path, OptimConfig(learning_rate=3e-2), value_clip=0.05)
         samples = batch(4)
-        for s, v in zip(samples, critic.compute_values(samples)):
+        for s, v in zip(samples, split_per_sample(samples, critic.compute_values(samples))):
             s.update(old_values=v, returns=[2.0 * m for m in s["loss_mask"]])
         return critic.train_step(samples, mini_batches=2, epochs=epochs, seed=3)
 

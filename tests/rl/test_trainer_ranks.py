@@ -77,7 +77,9 @@ def test_shards_balance_tokens():
     ("actor", "tiny-random", 2, 0), ("critic", "tiny-random", 2, 0), ("actor", "tiny-random", 4, 3),
     ("critic", "tiny-random", 4, 3), ("actor", "glm52-tiny", 2, 2), ("critic", "glm52-tiny", 2, 0)])
 def test_n_ranks_equal_one_rank(role, model, world, zero, tmp_path):
-    one = train_world(1, model, role, zero, tmp_path)
+    # The reference is one rank without ZeRO (plain DDP-free training), so a fault of a ZeRO stage itself shows
+    # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
+    one = train_world(1, model, role, 0, tmp_path)
     many = train_world(world, model, role, zero, tmp_path)
     prefix = "actor" if role == "actor" else "critic"
     loss = "actor/loss" if role == "actor" else "critic/value_loss"
@@ -108,3 +110,120 @@ def test_glm52_with_its_indexer_under_zero3_is_refused_clearly():
 
     with pytest.raises(ValueError, match="zero_stage <= 2"):
         CriticWorker(str(resolve_model_path("glm52-tiny")), OptimConfig(zero_stage=3), torch_threads=1)
+
+
+def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, ops: list, out: str) -> None:
+    """One world runs `ops` in order: ("step",) a train step on its shard of the global batch, ("save", folder),
+    ("load", folder); rank 0 dumps the final weights."""
+    from critic.worker import CriticWorker
+    from models import resolve_model_path
+    from rl.actor import ActorWorker
+    from rl.config import AlgorithmConfig
+
+    path = str(resolve_model_path(model))
+    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero)
+    dist = DistEnv(rank=rank, world_size=world, master_port=port)
+    if role == "actor":
+        worker = ActorWorker(path, optim, AlgorithmConfig(use_reference=False, mask_low=0, mask_high=0, veto=0),
+                             temperature=1.0, torch_threads=1, dist=dist)
+    else:
+        worker = CriticWorker(path, optim, value_clip=0.2, torch_threads=1, dist=dist)
+    samples = global_batch()
+    mine = [samples[i] for i in shard_by_tokens(samples, world)[rank]]
+    for op, *args in ops:
+        if op == "step":
+            worker.train_step(mine)
+        elif op == "save":
+            worker.save(args[0])
+        else:
+            worker.load(args[0])
+    state = worker.gathered_state()
+    if rank == 0:
+        with open(out, "wb") as f:
+            pickle.dump(state, f)
+
+
+def run_script(world: int, model: str, role: str, zero: int, ops: list, out: str) -> dict:
+    mp.spawn(_script, args=(world, free_port(), model, role, zero, ops, out), nprocs=world, join=True)
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.mark.parametrize("role,zero,saved_on,resumed_on", [("actor", 2, 2, 1), ("critic", 3, 1, 2)])
+def test_resume_on_another_rank_count_restores_weights_and_adam_moments(role, zero, saved_on, resumed_on, tmp_path):
+    """A ZeRO-partitioned checkpoint from `saved_on` ranks resumes on `resumed_on` ranks (through DeepSpeed's
+    universal checkpoint) and the next step lands where an uninterrupted run's does; starting the second step from
+    the HF export instead (weights only, fresh Adam moments) lands elsewhere, so the comparison can fail."""
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_script(1, "tiny-random", role, zero, [("step",), ("step",)], str(tmp_path / "a.pkl"))
+    run_script(saved_on, "tiny-random", role, zero, [("step",), ("save", ckpt)], str(tmp_path / "b0.pkl"))
+    resumed = run_script(resumed_on, "tiny-random", role, zero, [("load", ckpt), ("step",)], str(tmp_path / "b.pkl"))
+    assert (tmp_path / "ckpt" / "state" / "universal" / "state" / ".complete").exists()  # converted once, kept
+    worst = max(float((straight[k] - resumed[k]).abs().max()) for k in straight)
+    assert worst < 1e-4, worst
+
+    # the same second step from the weights alone (a fresh optimizer): Adam's moments made the difference
+    from critic.worker import CriticWorker
+    from rl.actor import ActorWorker
+    from rl.config import AlgorithmConfig
+
+    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=0)
+    hf = str(tmp_path / "ckpt" / "hf")
+    worker = (ActorWorker(hf, optim, AlgorithmConfig(use_reference=False, mask_low=0, mask_high=0, veto=0),
+                          temperature=1.0, torch_threads=1) if role == "actor"
+              else CriticWorker(hf, optim, value_clip=0.2, torch_threads=1))
+    worker.train_step(global_batch())
+    fresh = worker.gathered_state()
+    assert max(float((straight[k] - fresh[k]).abs().max()) for k in straight) > 100 * max(worst, 1e-7)
+
+
+def _stream_rank(rank: int, world: int, port: int, zero: int, folder: str, out: str) -> None:
+    """Walk the shared weight stream of a `world`-rank actor; record, per bucket, the parameters that were
+    gathered (whole) while it was yielded, and this rank's share; write the streamed HF export."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from models import resolve_model_path
+    from rl.actor import ActorWorker
+    from rl.config import AlgorithmConfig
+
+    worker = ActorWorker(str(resolve_model_path("tiny-random")), OptimConfig(zero_stage=zero),
+                         AlgorithmConfig(use_reference=False), torch_threads=1,
+                         dist=DistEnv(rank=rank, world_size=world, master_port=port))
+    params = dict(worker.module.named_parameters())
+    stream = worker.weight_stream(bucket_mb=0.05, shared=True)
+    seen = []
+    for index, bucket in enumerate(stream):
+        whole = [n for n, p in params.items() if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
+        seen.append({"index": index, "planned": stream.plan[index], "gathered": whole, "mine": bucket})
+    written = worker.save_hf(folder)
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump({"seen": seen, "written": written, "buckets": len(stream)}, f)
+
+
+def test_zero3_weight_stream_gathers_one_bucket_at_a_time_and_each_rank_keeps_its_share(tmp_path):
+    """Weight sync and the HF export from ZeRO-3 shards: while a bucket is yielded only its own parameters are
+    whole (never the whole model on a rank), bucket i is kept by rank i mod N, and together the shares are the
+    model; the streamed HF export loads in transformers with the same weights."""
+    world, out, folder = 2, str(tmp_path / "stream"), str(tmp_path / "hf")
+    mp.spawn(_stream_rank, args=(world, free_port(), 3, folder, out), nprocs=world, join=True)
+    ranks = []
+    for r in range(world):
+        with open(f"{out}.{r}", "rb") as f:
+            ranks.append(pickle.load(f))
+    assert ranks[0]["buckets"] > 3
+    from models import load_model
+
+    reference = dict(load_model("tiny-random", "policy").named_parameters())
+    got = {}
+    for r, result in enumerate(ranks):
+        for b in result["seen"]:
+            assert set(b["gathered"]) <= set(b["planned"]), b["index"]  # only this bucket is gathered
+            assert bool(b["mine"]) == (b["index"] % world == r)
+            got.update(b["mine"])
+    assert got.keys() == reference.keys()
+    assert all(torch.equal(got[k], reference[k].detach()) for k in got)
+    assert ranks[0]["written"] > 0 and ranks[1]["written"] == 0
+    from transformers import AutoModelForCausalLM
+
+    loaded = dict(AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+    assert all(torch.equal(loaded[k].detach(), reference[k].detach()) for k in reference)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from critic.worker import CriticWorker
+from models.batching import TokenBatch, split_per_sample
 from models.training import OptimConfig
 from rl.actor import ActorWorker
 from rl.config import AlgorithmConfig
@@ -26,7 +27,7 @@ def actor(tiny_path):
 
 
 def mean_logp(actor, samples):
-    lp = actor.compute_logprobs(samples)["old_logprobs"]
+    lp = split_per_sample(samples, actor.compute_logprobs(samples)["old_logprobs"])
     vals = [x for s, l in zip(samples, lp) for x, m in zip(l, s["loss_mask"]) if m]
     return sum(vals) / len(vals)
 
@@ -34,9 +35,9 @@ def mean_logp(actor, samples):
 def test_ppo_step_moves_the_policy_along_the_advantage(actor):
     samples = batch()
     for sign in (+1.0, -1.0):
-        lp = actor.compute_logprobs(samples)
+        lp = {k: split_per_sample(samples, v) for k, v in actor.compute_logprobs(samples).items()}
         for s, old, ref in zip(samples, lp["old_logprobs"], lp["ref_logprobs"]):
-            s.update(old_logprobs=old, ref_logprobs=ref, rollout_logprobs=list(old),
+            s.update(old_logprobs=old, ref_logprobs=ref, rollout_logprobs=old.clone(),
                      advantages=[sign * m for m in s["loss_mask"]])
         before = mean_logp(actor, samples)
         metrics = actor.train_step(samples)
@@ -54,9 +55,9 @@ def test_micro_batching_does_not_change_the_update(tiny_path):
         w = ActorWorker(tiny_path, OptimConfig(learning_rate=1e-2, micro_batch_tokens=budget),
                         AlgorithmConfig(use_reference=False), temperature=1.0)
         samples = batch()
-        lp = w.compute_logprobs(samples)["old_logprobs"]
+        lp = split_per_sample(samples, w.compute_logprobs(samples)["old_logprobs"])
         for s, old in zip(samples, lp):
-            s.update(old_logprobs=old, rollout_logprobs=list(old), advantages=[0.5 * m for m in s["loss_mask"]])
+            s.update(old_logprobs=old, rollout_logprobs=old.clone(), advantages=[0.5 * m for m in s["loss_mask"]])
         results.append(w.train_step(samples))
     assert results[0]["actor/loss"] == pytest.approx(results[1]["actor/loss"], rel=1e-5)
     assert results[0]["actor/grad_norm"] == pytest.approx(results[1]["actor/grad_norm"], rel=1e-4)
@@ -72,11 +73,11 @@ def test_weight_buckets_cover_every_parameter(actor):
 def test_critic_learns_returns(tiny_path):
     critic = CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3), value_clip=None)
     samples = batch()
-    values = critic.compute_values(samples)
+    values = split_per_sample(samples, critic.compute_values(samples))
     assert all(v == 0.0 for vs in values for v in vs)  # fresh head: V ≡ 0
     losses = []
     for _ in range(8):
-        values = critic.compute_values(samples)
+        values = split_per_sample(samples, critic.compute_values(samples))
         for s, v in zip(samples, values):
             s.update(old_values=v, returns=[0.7 * m for m in s["loss_mask"]])
         losses.append(critic.train_step(samples)["critic/value_loss"])
@@ -89,7 +90,7 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(tiny_path, tmp_path
 
     def step(w):
         samples = batch(2)
-        for s, v in zip(samples, w.compute_values(samples)):
+        for s, v in zip(samples, split_per_sample(samples, w.compute_values(samples))):
             s.update(old_values=v, returns=[1.0 * m for m in s["loss_mask"]])
         w.train_step(samples)
 
@@ -117,10 +118,10 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(tiny_path, tmp_path
 def test_zero_stages_train_and_export(tiny_path, tmp_path, stage):
     critic = CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3, zero_stage=stage), value_clip=None)
     samples = batch(2)
-    for s, v in zip(samples, critic.compute_values(samples)):
+    for s, v in zip(samples, split_per_sample(samples, critic.compute_values(samples))):
         s.update(old_values=v, returns=[1.0 * m for m in s["loss_mask"]])
     first = critic.train_step(samples)["critic/value_loss"]
-    for s, v in zip(samples, critic.compute_values(samples)):
+    for s, v in zip(samples, split_per_sample(samples, critic.compute_values(samples))):
         s.update(old_values=v)
     assert critic.train_step(samples)["critic/value_loss"] < first
     state = critic.gathered_state()
@@ -140,7 +141,7 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_pass(tiny_path):
                         AlgorithmConfig(use_reference=False), temperature=0.9)
         samples = batch()
         if separate:
-            for s, old in zip(samples, w.compute_logprobs(samples)["old_logprobs"]):
+            for s, old in zip(samples, split_per_sample(samples, w.compute_logprobs(samples)["old_logprobs"])):
                 s["old_logprobs"] = old
         for s in samples:
             s.update(rollout_logprobs=[-5.0 * m for m in s["loss_mask"]],
@@ -148,3 +149,48 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_pass(tiny_path):
         results.append(w.train_step(samples))
     for key in ("actor/loss", "actor/grad_norm", "mismatch/tis_truncated_frac", "mismatch/masked_frac"):
         assert results[0][key] == pytest.approx(results[1][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("stage,offload_params", [(2, False), (3, True)])
+def test_offload_trains_like_no_offload(tiny_path, stage, offload_params):
+    """trainer.offload_optimizer (and offload_params under ZeRO-3): the optimizer state (and the parameter
+    shards) live in host memory; the step is the same one."""
+    states = []
+    for offload in (False, True):
+        critic = CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3, zero_stage=stage, offload_optimizer=offload,
+                                                     offload_params=offload and offload_params), value_clip=None)
+        if offload:
+            assert critic.engine.zero_offload_optimizer() is not None or critic.engine.zero_cpu_offload()
+        samples = batch(2)
+        for s, v in zip(samples, split_per_sample(samples, critic.compute_values(samples))):
+            s.update(old_values=v, returns=[1.0 * m for m in s["loss_mask"]])
+        critic.train_step(samples)
+        states.append(critic.gathered_state())
+    moved = float((states[0]["score.weight"]).abs().max())
+    assert moved > 0
+    assert all(torch.allclose(states[0][k], states[1][k], atol=1e-6) for k in states[0])
+
+
+def test_offload_needs_a_zero_stage_that_partitions_it():
+    with pytest.raises(ValueError, match="zero_stage >= 1"):
+        OptimConfig(offload_optimizer=True)
+    with pytest.raises(ValueError, match="zero_stage = 3"):
+        OptimConfig(zero_stage=2, offload_params=True)
+
+
+def test_zero3_accumulates_every_micro_batch_like_zero0(tiny_path):
+    """Several micro-batches in one optimiser step under ZeRO-3 give ZeRO-0's update. (Our forwards call the
+    engine's module, bypassing engine.forward, where ZeRO-3 counts micro-steps; without that bookkeeping each
+    micro-batch's backward replaced the gradient of the ones before, and only the last one's was applied.)"""
+    states, norms = [], []
+    for stage in (0, 3):
+        w = ActorWorker(tiny_path, OptimConfig(learning_rate=1e-2, micro_batch_tokens=40, zero_stage=stage),
+                        AlgorithmConfig(use_reference=False), temperature=1.0)
+        samples = batch()
+        assert len(w.micro_batches(TokenBatch.from_samples(samples), ())) > 2
+        for s, old in zip(samples, split_per_sample(samples, w.compute_logprobs(samples)["old_logprobs"])):
+            s.update(old_logprobs=old, rollout_logprobs=old.clone(), advantages=[0.5 * m for m in s["loss_mask"]])
+        norms.append(w.train_step(samples)["actor/grad_norm"])
+        states.append(w.gathered_state())
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
+    assert max(float((states[0][k] - states[1][k]).abs().max()) for k in states[0]) < 1e-4
