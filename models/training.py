@@ -196,9 +196,6 @@ class DeepSpeedWorker:
         self.optim = optim
         self.tokenizer_source = tokenizer_source
         self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
-        if optim.zero_stage == 3 and any(getattr(m, "indexer", None) is not None for m in model.modules()):
-            raise ValueError("a GLM-5.2 model with DSA indexer layers cannot be trained with trainer.zero_stage=3 "
-                             "yet (models/glm5/parallel.py says why); use trainer.zero_stage <= 2")
         self.backend = init_distributed(dist)
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -63,8 +63,8 @@ class Indexer(nn.Module):
         weight = self.weights_proj.weight
         if weight.numel() == 0 and hasattr(weight, "ds_id"):
             raise RuntimeError("GLM-5.2's indexer under ZeRO-3: weights_proj is partitioned here (read outside its "
-                               "module's forward); train this model with trainer.zero_stage <= 2 "
-                               "(models/glm5/parallel.py says why)")
+                               "module's forward): prepare the model with models.glm5.parallel.prepare_for_zero3 "
+                               "before deepspeed.initialize")
         return F.linear(x.float(), weight.float()) * self.n_heads ** -0.5
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -10,24 +10,37 @@ expert in expert order, on zero rows where it has no tokens (the weights still g
 gradient, and their reduction). The same holds for every data-dependent call count: the ranks must also see
 the same shapes (sequence lengths, so that the indexer runs or not alike and chunked heads loop alike): a
 multi-rank trainer pads every rank's micro-batch to one length (`DeepSpeedWorker.micro_batches` does, under
-ZeRO-3 with several ranks; bench/zero3_glm5.py uses equal shapes). Not yet supported under ZeRO-3: a model whose
-indexer runs in training (`Indexer.head_weights` reads `weights_proj.weight` directly, which ZeRO-3 has not
-gathered there unless ZeRO's prefetch happened to fetch it; registering it as an external parameter made the
-forward run but the actor's gradients then differed from ZeRO-0's). The RL trainer's workers refuse that
-combination at start (`DeepSpeedWorker`); ZeRO-0 to 2 train it like one rank (tests/rl/test_trainer_ranks.py). Expert parallelism (each rank owning whole experts) is SGLang's serving layout
-(docs/SCALING.md); the trainer of a 744B model would add it through Megatron-style EP, not here.
+ZeRO-3 with several ranks; bench/zero3_glm5.py uses equal shapes). And ZeRO-3 gathers a module's parameters when
+that module's forward runs: MLA reads two weights directly in its own forward (the absorbed `kv_b_proj.weight`
+and the indexer's fp32 `weights_proj.weight`), so they are registered as its external parameters here. With
+that, GLM-5.2 with its indexer trains under ZeRO-3 like one rank without ZeRO (tests/rl/test_trainer_ranks.py).
+(An earlier reading that its ZeRO-3 gradients differed from ZeRO-0's had another cause: the trainer's forwards
+bypassed engine.forward, where ZeRO-3 counts micro-steps, so only the last micro-batch's gradient survived;
+models/training.py's `accumulate_and_step` now does that bookkeeping.) Expert parallelism (each rank owning
+whole experts) is SGLang's serving layout (docs/SCALING.md); the trainer's is its own issue.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from models.glm5.attention import MLA
 from models.glm5.moe import MoE
 
 
 def prepare_for_zero3(model: nn.Module, world_size: int) -> int:
     """Make `model` safe to shard with ZeRO-3 over `world_size` data-parallel ranks; returns the MoE layers
-    changed (none for one rank, where a skipped expert costs no collective)."""
+    changed (none for one rank, where a skipped expert costs no collective). Also tells ZeRO-3 which weights each
+    MLA layer's forward reads directly rather than through their own module's forward (the absorbed
+    `kv_b_proj.weight`, and the DSA indexer's `weights_proj.weight`, applied in fp32), so that they are gathered
+    there."""
+    import deepspeed
+
+    for m in model.modules():
+        if isinstance(m, MLA):
+            deepspeed.zero.register_external_parameter(m, m.kv_b_proj.weight)
+            if m.indexer is not None:
+                deepspeed.zero.register_external_parameter(m, m.indexer.weights_proj.weight)
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for m in layers:
         m.run_idle_experts = world_size > 1

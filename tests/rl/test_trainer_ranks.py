@@ -75,7 +75,8 @@ def test_shards_balance_tokens():
 
 @pytest.mark.parametrize("role,model,world,zero", [
     ("actor", "tiny-random", 2, 0), ("critic", "tiny-random", 2, 0), ("actor", "tiny-random", 4, 3),
-    ("critic", "tiny-random", 4, 3), ("actor", "glm52-tiny", 2, 2), ("critic", "glm52-tiny", 2, 0)])
+    ("critic", "tiny-random", 4, 3), ("actor", "glm52-tiny", 2, 2), ("actor", "glm52-tiny", 2, 3),
+    ("critic", "glm52-tiny", 2, 3)])
 def test_n_ranks_equal_one_rank(role, model, world, zero, tmp_path):
     # The reference is one rank without ZeRO (plain DDP-free training), so a fault of a ZeRO stage itself shows
     # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
@@ -100,16 +101,6 @@ def test_n_ranks_equal_one_rank(role, model, world, zero, tmp_path):
     initial = dict(load_model(model, "policy" if role == "actor" else "value").named_parameters())
     moved = max(float((a[k] - initial[k].detach()).abs().max()) for k in a if k in initial)
     assert moved > 100 * max(worst, 1e-7), (moved, worst)  # the step moved the weights: equality is not trivial
-
-
-def test_glm52_with_its_indexer_under_zero3_is_refused_clearly():
-    """Not silently wrong: under ZeRO-3 the indexer's head weights are not gathered where they are read, and the
-    gradients of a run that got past that were not ZeRO-0's (models/glm5/parallel.py)."""
-    from critic.worker import CriticWorker
-    from models import resolve_model_path
-
-    with pytest.raises(ValueError, match="zero_stage <= 2"):
-        CriticWorker(str(resolve_model_path("glm52-tiny")), OptimConfig(zero_stage=3), torch_threads=1)
 
 
 def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, ops: list, out: str) -> None:
