@@ -9,9 +9,10 @@ A rank turns its `TokenBatch` into micro-batches of at most `max_tokens` positio
 - **packed** (the default where the model supports it): rows as wide as the micro-batch's longest sample, each
   holding several samples end to end, each sample with its own RoPE positions from 0 and no attention mask;
   transformers' models see the position resets and attend within each sample only (a block-diagonal causal
-  mask). The short samples fill what would be padding, so a step needs fewer rows.
+  mask), and GLM-5.2 bounds each query's keys below by its sample's first token (models/glm5/model.py). The
+  short samples fill what would be padding, so a step needs fewer rows.
 - **padded**: one sample a row, right-padded to the micro-batch's longest sample, with an attention mask (models
-  whose attention cannot take packed rows: GLM-5.2's sparse attention and indexer today).
+  that cannot take packed rows, or `trainer.pack_micro_batches=false`).
 
 Both take the samples longest first, and a micro-batch's width is its longest sample's length, so a packed
 micro-batch never holds more positions than the padded one would, and attention (quadratic in the row width
@@ -201,7 +202,9 @@ def make_micro_batches(samples, fields: tuple[str, ...] = (), max_tokens: int = 
     its own), packed or padded (module docstring)."""
     batch = as_token_batch(samples, fields)
     lengths, offsets = batch.lengths, batch.offsets
-    layouts = _pack_groups(lengths, max_tokens) if packed else [[[i] for i in g] for g in _pad_groups(lengths, max_tokens)]
+    # each micro-batch as rows of sample indices: several a row when packed, one when padded
+    layouts = (_pack_groups(lengths, max_tokens) if packed
+               else [[[i] for i in group] for group in _pad_groups(lengths, max_tokens)])
     out = []
     for rows_of in layouts:
         width = max(sum(lengths[i] for i in row) for row in rows_of)

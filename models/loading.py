@@ -88,10 +88,12 @@ def load_model(
 def supports_packed_sequences(model: nn.Module) -> bool:
     """Whether `model` keeps the samples of a packed row apart (models/batching.py): transformers' models that
     build their attention mask with `masking_utils.create_causal_mask` read sample boundaries from the position
-    ids when no attention mask is given. GLM-5.2 (models.glm5) does not yet: its sparse attention and indexer
-    would attend across samples, so it trains on padded rows."""
+    ids when no attention mask is given, and so does GLM-5.2 (models.glm5: each query's keys are bounded below by
+    its sample's first token, in the dense, sparse and masked attention paths and in the indexer's top-k)."""
     import sys
 
+    if type(model).__module__.startswith("models.glm5."):
+        return True
     module = sys.modules.get(type(model).__module__)
     if module is None or not type(model).__module__.startswith("transformers."):
         return False

@@ -89,8 +89,8 @@ class TrainerConfig:
     zero_stage: int = 0
     micro_batch_tokens: int = 4096  # positions per forward/backward (rows x width)
     gradient_checkpointing: bool = False
-    # Samples laid end to end in one row per micro-batch where the model supports it (transformers' models;
-    # GLM-5.2 is padded); false: right-padded rows for every model
+    # Rows holding several samples end to end (as wide as the micro-batch's longest sample) where the model
+    # supports it (transformers' models, GLM-5.2); false: one right-padded sample a row for every model
     pack_micro_batches: bool = True
     offload_optimizer: bool = False  # ZeRO >= 1: Adam's state and the fp32 master weights in host memory
     offload_params: bool = False  # ZeRO-3: the parameter shards in host memory between uses

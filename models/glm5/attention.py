@@ -53,6 +53,9 @@ class AttnContext:
     cache: object | None = None  # anything with update(keys, values, slot) → (all_keys, all_values)
     index_slot_offset: int = 0  # cache slot of layer i's indexer keys = offset + i
     indexer_loss: str | None = None  # None | "dense" | "sparse": DSA warm-up loss on full layers
+    # [B, S] packed rows (models/batching.py): the key index where each query's sample begins, the lower bound of
+    # the keys it may see (its upper bound is query_index); None = one sample a row
+    query_start: torch.Tensor | None = None
     _bounds: torch.Tensor | None = field(default=None, repr=False)
 
     def key_bounds(self) -> torch.Tensor:
@@ -143,14 +146,16 @@ class MLA(nn.Module):
 
     # ---- attention core -------------------------------------------------------------------------------------
     def _chunk(self, q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor | None, qi: torch.Tensor,
-               key_mask: torch.Tensor | None, w_uv: torch.Tensor) -> torch.Tensor:
+               key_mask: torch.Tensor | None, w_uv: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
         """Queries q [B, c, H, d_c+d_r] over their keys → [B, c, H, d_v]. sel [B, c, k] gathers k latents per
-        query; sel None attends to the causal prefix (keys ≤ qi) of kv directly."""
+        query; sel None attends to the causal prefix (keys ≤ qi, and ≥ start in a packed row) of kv directly."""
         if sel is None:
             end = int(qi.max()) + 1
             keys = kv[:, :end]
             pos = torch.arange(end, device=kv.device)
             ok = pos <= qi[..., None]
+            if start is not None:
+                ok = ok & (pos >= start[..., None])
             if key_mask is not None:
                 ok = ok & key_mask[:, None, :end].bool()
             scores = torch.einsum("bchd,btd->bcht", q, keys)
@@ -169,8 +174,9 @@ class MLA(nn.Module):
         return torch.einsum("bchd,hvd->bchv", o_lat, w_uv)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, selection: torch.Tensor | None, query_index: torch.Tensor,
-               key_mask: torch.Tensor | None) -> torch.Tensor:
-        """Sparse (or, selection None, causal-dense) absorbed attention in query chunks → [B, S, H·d_v]."""
+               key_mask: torch.Tensor | None, query_start: torch.Tensor | None = None) -> torch.Tensor:
+        """Sparse (or, selection None, causal-dense) absorbed attention in query chunks → [B, S, H·d_v].
+        `query_start` bounds the dense case's keys from below (packed rows; a selection is masked already)."""
         _, w_uv = self._w_uk_uv()
         outs = []
         grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or w_uv.requires_grad)
@@ -185,8 +191,9 @@ class MLA(nn.Module):
                 o_lat = sparse_mla(*args, self.scale, self.d_c)
                 outs.append(torch.einsum("bchd,hvd->bchv", o_lat, w_uv))
             else:
-                outs.append(checkpoint(self._chunk, *args, w_uv, use_reentrant=False) if grad
-                            else self._chunk(*args, w_uv))
+                start = None if query_start is None else query_start[:, a:a + self.chunk]
+                outs.append(checkpoint(self._chunk, *args, w_uv, start, use_reentrant=False) if grad
+                            else self._chunk(*args, w_uv, start))
         o = torch.cat(outs, dim=1)
         return o.flatten(2)
 
@@ -197,7 +204,7 @@ class MLA(nn.Module):
 
     def attend_masked(self, q: Queries, latents: torch.Tensor, selection: torch.Tensor | None,
                       query_index: torch.Tensor, key_mask: torch.Tensor | None,
-                      bounds: torch.Tensor | None = None) -> torch.Tensor:
+                      bounds: torch.Tensor | None = None, query_start: torch.Tensor | None = None) -> torch.Tensor:
         """The same attention un-absorbed, through SDPA with the selection as a boolean mask → [B, S, H·d_v].
 
         Per head K = [k_n ; k_r] and V from kv_b_proj(c_kv); a query may attend to key s iff s ∈ S_t (or, with
@@ -226,7 +233,8 @@ class MLA(nn.Module):
         for i, (a, end) in enumerate(zip(range(0, s, MASKED_QUERY_CHUNK), ends)):
             qi = query_index[:, a:a + MASKED_QUERY_CHUNK]
             sel = None if selection is None else selection[:, a:a + MASKED_QUERY_CHUNK]
-            allowed = allowed_keys(sel, qi, key_mask, end)
+            start = None if query_start is None else query_start[:, a:a + MASKED_QUERY_CHUNK]
+            allowed = allowed_keys(sel, qi, key_mask, end, start)
             empty = ~allowed.any(-1, keepdim=True)  # e.g. a padding query: give it one key, zero its output
             allowed[..., :1] |= empty
             o = F.scaled_dot_product_attention(q_chunks[i], k_prefixes[i], v_prefixes[i], attn_mask=allowed[:, None],
@@ -293,22 +301,27 @@ class MLA(nn.Module):
             if ctx.indexer_loss is not None:
                 loss = self._indexer_loss(x, c_q, self.absorb(queries), latents, selection, ctx)
 
+        if selection is not None and ctx.query_start is not None:  # packed rows: never a key of another sample
+            selection = selection.masked_fill(selection < ctx.query_start[..., None], -1)
         if self.use_masked(queries, num_keys, cache):
-            o = self.attend_masked(queries, latents, selection, ctx.query_index, ctx.key_mask, ctx.key_bounds())
+            o = self.attend_masked(queries, latents, selection, ctx.query_index, ctx.key_mask, ctx.key_bounds(),
+                                   ctx.query_start)
         else:
-            o = self.attend(self.absorb(queries), latents, selection, ctx.query_index, ctx.key_mask)
+            o = self.attend(self.absorb(queries), latents, selection, ctx.query_index, ctx.key_mask, ctx.query_start)
         out = self.o_proj(o)
         return AttnOut(out, selection, latents, index_keys, loss)
 
     @torch.no_grad()
     def _run_indexer(self, x, c_q, index_keys, ctx: AttnContext) -> torch.Tensor:
         return self.indexer.select(self.indexer.queries(c_q, ctx.cos, ctx.sin), self.indexer.head_weights(x),
-                                   index_keys, ctx.query_index, ctx.key_mask, ctx.key_bounds())
+                                   index_keys, ctx.query_index, ctx.key_mask, ctx.key_bounds(), ctx.query_start)
 
     def _indexer_loss(self, x, c_q, q, latents, selection, ctx: AttnContext):
         """DSA warm-up KL on detached inputs (gradient reaches only the indexer)."""
         if latents.shape[1] != x.shape[1]:
             raise ValueError("the indexer warm-up loss needs a full-sequence forward (no KV cache)")
+        if ctx.query_start is not None:
+            raise ValueError("the indexer warm-up loss takes one sample a row, not packed rows")
         if ctx.indexer_loss not in ("dense", "sparse"):
             raise ValueError(f"indexer_loss must be None, 'dense' or 'sparse', got {ctx.indexer_loss!r}")
         x_d, cq_d = x.detach(), c_q.detach()
@@ -351,11 +364,11 @@ def prefixes(x: torch.Tensor, ends: list[int]) -> tuple[torch.Tensor, ...]:
 
 
 def allowed_keys(selection: torch.Tensor | None, query_index: torch.Tensor, key_mask: torch.Tensor | None,
-                 num_keys: int) -> torch.Tensor:
+                 num_keys: int, query_start: torch.Tensor | None = None) -> torch.Tensor:
     """[B, c, num_keys] booleans: which keys each query attends to (its valid selected slots, or with selection
-    None its causal prefix), padding keys excluded."""
+    None its causal prefix, from `query_start` on in a packed row), padding keys excluded."""
     if selection is None:
-        return causal_indices(query_index, key_mask, num_keys) >= 0
+        return causal_indices(query_index, key_mask, num_keys, query_start) >= 0
     ok = valid_keys(selection, query_index, key_mask) & (selection < num_keys)
     slots = torch.where(ok, selection, num_keys)  # invalid slots land in a spare column, then dropped
     allowed = torch.zeros(*selection.shape[:2], num_keys + 1, dtype=torch.bool, device=selection.device)
@@ -363,9 +376,12 @@ def allowed_keys(selection: torch.Tensor | None, query_index: torch.Tensor, key_
 
 
 def materialize_selection(selection: torch.Tensor | None, query_index: torch.Tensor, key_mask: torch.Tensor | None,
-                          num_keys: int) -> torch.Tensor:
+                          num_keys: int, query_start: torch.Tensor | None = None) -> torch.Tensor:
     """A selection as explicit indices [B, S, k] with −1 in every slot the query may not attend to (so what we
     return for replay is canonical whether the layer ran sparse, dense or from a replay)."""
     if selection is None:
-        return causal_indices(query_index, key_mask, num_keys)
-    return torch.where(valid_keys(selection, query_index, key_mask), selection, torch.full_like(selection, -1))
+        return causal_indices(query_index, key_mask, num_keys, query_start)
+    ok = valid_keys(selection, query_index, key_mask)
+    if query_start is not None:
+        ok = ok & (selection >= query_start[..., None])
+    return torch.where(ok, selection, torch.full_like(selection, -1))

@@ -77,12 +77,14 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def select(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, query_index: torch.Tensor,
-               key_mask: torch.Tensor | None, bounds: torch.Tensor | None = None) -> torch.Tensor:
+               key_mask: torch.Tensor | None, bounds: torch.Tensor | None = None,
+               query_start: torch.Tensor | None = None) -> torch.Tensor:
         """Streaming top-k → key indices [B, S, min(topk, T)] on the cache axis, −1 where no valid key was left.
 
         q [B, S, H_I, d_I], w [B, S, H_I], k [B, T, d_I] (the cached keys plus the new ones), query_index [B, S]
         the queries' own positions on the cache axis, key_mask [B, T] (1 = real token) or None, bounds
-        `layers.key_bounds(query_index)` if already known.
+        `layers.key_bounds(query_index)` if already known, query_start [B, S] (packed rows) the first key of each
+        query's sample: keys before it are never scored.
         """
         b, s = q.shape[:2]
         t_all = k.shape[1]
@@ -93,6 +95,7 @@ class Indexer(nn.Module):
         key_ends = chunk_key_ends(key_bounds(query_index) if bounds is None else bounds, chunk)
         for a, key_end in zip(range(0, s, chunk), key_ends):
             qi = query_index[:, a:a + chunk]
+            first = None if query_start is None else query_start[:, a:a + chunk, None]
             q_c, w_c = q[:, a:a + chunk], w[:, a:a + chunk]
             best_v = torch.full((b, qi.shape[1], width), float("-inf"), device=q.device)
             best_i = torch.full((b, qi.shape[1], width), -1, dtype=torch.long, device=q.device)
@@ -101,6 +104,8 @@ class Indexer(nn.Module):
                 pos = torch.arange(t0, t1, device=q.device)
                 v = self.scores(q_c, w_c, k[:, t0:t1])
                 ok = pos <= qi[..., None]
+                if first is not None:
+                    ok = ok & (pos >= first)
                 if key_mask is not None:
                     ok = ok & key_mask[:, None, t0:t1].bool()
                 v = v.masked_fill(~ok, float("-inf"))
@@ -112,11 +117,15 @@ class Indexer(nn.Module):
         return out
 
 
-def causal_indices(query_index: torch.Tensor, key_mask: torch.Tensor | None, num_keys: int) -> torch.Tensor:
-    """The selection when every valid key fits in top-k (T ≤ k): each query's whole causal prefix, [B, S, T],
-    −1 for invisible keys. Used to report/replay what the dense case attended to."""
+def causal_indices(query_index: torch.Tensor, key_mask: torch.Tensor | None, num_keys: int,
+                   query_start: torch.Tensor | None = None) -> torch.Tensor:
+    """The selection when every valid key fits in top-k (T ≤ k): each query's whole causal prefix (from
+    `query_start` on in a packed row), [B, S, T], −1 for invisible keys. Used to report/replay what the dense case
+    attended to."""
     pos = torch.arange(num_keys, device=query_index.device)
     ok = pos <= query_index[..., None]
+    if query_start is not None:
+        ok = ok & (pos >= query_start[..., None])
     if key_mask is not None:
         ok = ok & key_mask[:, None, :num_keys].bool()
     return torch.where(ok, pos, torch.full_like(pos, -1))

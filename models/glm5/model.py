@@ -61,6 +61,13 @@ class Glm5CausalLMOutput(Glm5ModelOutput):
     mtp: MTPLoss | None = None
 
 
+def packed_starts(position_ids: torch.Tensor, query_index: torch.Tensor) -> torch.Tensor | None:
+    """[B, S] the key index where each query's sample begins, for a packed row (models/batching.py: samples end to
+    end, positions restarting at 0 for each, no attention mask); None when every row is one sample."""
+    start = (query_index - position_ids).clamp(min=0)
+    return start if bool(start.any()) else None
+
+
 def init_weights(module: nn.Module, std: float) -> None:
     """Random init for a fresh model: normal(0, std) matrices and embeddings, unit norm gains, zero biases and
     zero router bias."""
@@ -121,8 +128,10 @@ class Glm5Model(nn.Module):
                 raise ValueError(f"attention_mask must be [B, cached + new] = {(b, past + s)}, "
                                  f"got {tuple(attention_mask.shape)}")
             key_mask = None if bool(attention_mask.bool().all()) else attention_mask.bool()
+        query_start = packed_starts(position_ids, query_index) if attention_mask is None and past == 0 else None
         cos, sin = rope_angles(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
-        ctx = AttnContext(cos, sin, query_index, key_mask, cache, len(self.layers), indexer_loss)
+        ctx = AttnContext(cos, sin, query_index, key_mask, cache, len(self.layers), indexer_loss,
+                          query_start=query_start)
 
         n = self.config.num_hidden_layers
         indexer_topk, routed_experts = indexer_topk or {}, routed_experts or {}
@@ -142,7 +151,8 @@ class Glm5Model(nn.Module):
             if layer.has_indexer:
                 carry = record["selection"]
                 if return_routing:
-                    topk_out[i] = materialize_selection(carry, query_index, key_mask, record["num_keys"])
+                    topk_out[i] = materialize_selection(carry, query_index, key_mask, record["num_keys"],
+                                                        query_start)
                 if loss_sum is not None:
                     losses.append(loss_sum / loss_n.clamp(min=1))
             if layer.is_moe and return_routing:
@@ -271,6 +281,8 @@ class Glm5ForCausalLM(_Glm5Base):
                 raise ValueError("the MTP loss needs input_ids and a full-sequence forward (no prior cache)")
             b, s = input_ids.shape
             pos = position_ids if position_ids is not None else torch.arange(s, device=h.device).expand(b, s)
+            if attention_mask is None and packed_starts(pos, torch.arange(s, device=h.device).expand(b, s)) is not None:
+                raise ValueError("the MTP loss takes one sample a row, not packed rows")
             mtp = mtp_loss(self.model, self.lm_head, h, input_ids, attention_mask, pos, mtp_steps, mtp_tv_weight,
                            rows=loss_chunk_rows)
         return Glm5CausalLMOutput(**vars(out), logits=logits, loss=loss, mtp=mtp)

@@ -109,36 +109,41 @@ def test_packing_never_needs_more_positions_than_padding():
         assert sum(lengths) <= cost[True] <= cost[False]
 
 
-def test_packed_rows_equal_padded_rows_for_transformers_models_only():
-    """Packing must change nothing but the layout: logprobs and values of every sample equal the padded rows'
-    (tiny-random: the default policy's Llama architecture). GLM-5.2's attention would mix the samples of a
-    packed row, so it is not packed (and the difference shows why)."""
+@pytest.mark.parametrize("name", [TINY, GLM52_TINY])
+def test_packed_rows_equal_padded_rows(name):
+    """Packing changes nothing but the layout: logprobs, values and gradients of every sample equal the padded
+    rows' (tiny-random: the default policy's Llama architecture; glm52-tiny: GLM-5.2 with top-16 sparse attention,
+    so samples longer than 16 tokens go through the indexer and the sparse path, IndexShare layers included)."""
     g = torch.Generator().manual_seed(0)
     samples = [{"token_ids": torch.randint(100, 4000, (n,), generator=g),
-                "loss_mask": torch.tensor([0.0] * 3 + [1.0] * (n - 3))} for n in (20, 33, 7, 50, 12)]
+                "loss_mask": torch.tensor([0.0] * 3 + [1.0] * (n - 3))} for n in (20, 45, 7, 50, 12, 33, 9)]
     batch = TokenBatch.from_samples(samples, ("loss_mask",))
 
     def run(model, packed, role):
+        model.zero_grad()
         mbs = make_micro_batches(batch, ("loss_mask",), 128, packed=packed)
-        with torch.no_grad():
-            if role == "policy":
-                outs = [policy_logprobs(model, mb.tensors["input_ids"], mb.tensors["attention_mask"],
-                                        only=mb.tensors["loss_mask"], position_ids=mb.position_ids)[0] for mb in mbs]
-            else:
-                outs = [token_values(model, mb.tensors["input_ids"], mb.tensors["attention_mask"], mb.position_ids)
-                        for mb in mbs]
-        return unbatch(mbs, outs, batch), sum(mb.tensors["input_ids"].numel() for mb in mbs)
+        outs = []
+        for mb in mbs:
+            t = mb.tensors
+            out = (policy_logprobs(model, t["input_ids"], t["attention_mask"], only=t["loss_mask"],
+                                   position_ids=mb.position_ids)[0] if role == "policy" else
+                   token_values(model, t["input_ids"], t["attention_mask"], mb.position_ids))
+            (out * t["loss_mask"]).sum().backward()
+            outs.append(out.detach())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return unbatch(mbs, outs, batch), sum(mb.tensors["input_ids"].numel() for mb in mbs), grads
 
     for role in ("policy", "value"):
-        model = load_model(TINY, role).eval()
+        model = load_model(name, role)
         if role == "value":
             torch.manual_seed(0)
             model.score.weight.data.normal_()
         assert supports_packed_sequences(model)
-        (padded, n_padded), (packed, n_packed) = run(model, False, role), run(model, True, role)
+        (padded, n_padded, g_padded), (packed, n_packed, g_packed) = run(model, False, role), run(model, True, role)
         assert n_packed < n_padded  # positions computed: the short samples filled the padding
         assert padded.abs().max() > 0.1
         torch.testing.assert_close(packed, padded, atol=2e-5, rtol=1e-5)
-    glm = load_model(GLM52_TINY, "policy").eval()
-    assert not supports_packed_sequences(glm)
-    assert (run(glm, True, "policy")[0] - run(glm, False, "policy")[0]).abs().max() > 1e-3
+        assert g_padded.keys() == g_packed.keys() and len(g_padded) > 10
+        for k in g_padded:
+            scale = float(g_padded[k].abs().max()) + 1e-12
+            assert float((g_packed[k] - g_padded[k]).abs().max()) <= 1e-4 * scale, k
