@@ -149,24 +149,36 @@ class ManagedProcess:
         except OSError:
             return "(no log)"
 
+    def _signal_group(self, sig: int) -> bool:
+        """Signal the server's process group; False when there is none left to signal.
+
+        The group's id is the leader's pid. Once the leader has exited and been reaped, Linux may give that pid
+        to a new process (pid_max is 32768 here) as soon as no process of our group is left, and that process may
+        lead a group of its own: a signal to the old group id then lands on a stranger (a CI run of the fleet's
+        fault tests once sent SIGTERM to another job's Ray GCS that way). So after the leader is gone, a live
+        process holding its pid is not ours and the group is left alone; while any member of our group lives, the
+        kernel keeps the id reserved and the signal reaches only them."""
+        if self.proc.poll() is not None and os.path.exists(f"/proc/{self.proc.pid}"):
+            return False
+        try:
+            os.killpg(self.proc.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM to the process group, SIGKILL after `grace_s` (and to any child left in the group)."""
         if self.proc is None:
             return
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
+            if not self._signal_group(sig):
                 break
             try:
                 self.proc.wait(wait_s)
                 break
             except subprocess.TimeoutExpired:
                 continue
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self._signal_group(signal.SIGKILL)
         self.proc = None
 
     def restart(self, **overrides) -> str:
@@ -176,10 +188,7 @@ class ManagedProcess:
     def kill(self) -> None:
         """SIGKILL the whole group at once: a crash, as the health monitor sees it (fault-injection tests)."""
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._signal_group(signal.SIGKILL)
             self.proc.wait()
 
     def info(self) -> dict:

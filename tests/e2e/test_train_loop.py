@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,6 +82,20 @@ def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(latest / "actor" / "hf") is not None
 
 
+def kill_processes_under(folder: str, timeout_s: float = 30.0) -> None:
+    """SIGKILL a Ray cluster by its temp folder: every process whose command line names it (its GCS, raylet and
+    agents) and their children (the raylet's workers, whose titles do not), until none is left."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        found = subprocess.run(["pgrep", "-f", folder], capture_output=True, text=True).stdout.split()
+        if not found:
+            return
+        for pid in found:
+            subprocess.run(["pkill", "-9", "-P", pid], capture_output=True)
+        subprocess.run(["pkill", "-9", "-f", folder], capture_output=True)
+        time.sleep(0.5)
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
     from environments.tasks import SHIPPED_TASKS
 
@@ -91,7 +106,12 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
             "trainer.eval_samples=2", "engine.eval_temperature=0.7",
             f"env.extra_eval_tasks={extra}"]
     run = tmp_path / "coding_ppo_tiny"
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # The killed run's Ray gets a temp folder of its own (short: Ray's socket paths must stay under 108 bytes),
+    # so that its leftovers can be killed by that path alone. `ray stop --force` would kill every Ray on the
+    # machine: it once took down a training job running beside CI.
+    ray_tmp = tempfile.mkdtemp(prefix="rlk.", dir=os.environ.get("TMPDIR", "/tmp"))
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
     try:
         deadline = time.time() + 600
         while not (run / "checkpoints" / "step_000001" / "trainer_state.json").exists():
@@ -100,7 +120,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+        kill_processes_under(ray_tmp)
     killed_at = [r["step"] for r in read_metrics(run / "metrics.jsonl")][-1]
     assert killed_at in (1, 2)
     # Resumed under a time limit that one step exceeds: it checkpoints after one step and stops cleanly

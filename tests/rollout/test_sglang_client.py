@@ -8,6 +8,7 @@ in tokenizer_manager.py, the finish reasons of schedule_batch.py (`FINISH_MATCHE
 from __future__ import annotations
 
 import base64
+import os
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from rollout.sglang.client import (SGLangError, decode_replay, generate_payload, parse_generate, parse_version,
                                    sampling_payload)
 from rollout.sglang.engine import rendezvous
-from rollout.sglang.server import server_args
+from rollout.sglang.server import ManagedProcess, server_args
 from rollout.types import SamplingParams
 
 # Fields of GenerateReqInput and SamplingParams at 0.5.17 that we send (a renamed field fails here, not on a GPU)
@@ -134,3 +135,58 @@ def test_flattened_bucket_roundtrip():
     back = unflatten_bucket(bucket)
     for k in named:
         assert back[k].dtype == named[k].dtype and torch.equal(back[k], named[k])
+
+
+class _Sleeper(ManagedProcess):
+    """A managed process group: a shell that starts a child sleeper and then sleeps itself (or, `lone`, just a
+    sleeper)."""
+
+    lone = False
+
+    def command_line(self, **_) -> list[str]:
+        return ["sleep", "60"] if self.lone else ["sh", "-c", "sleep 60 & exec sleep 60"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stop_signals_only_its_own_process_group(tmp_path):
+    """A server whose leader is gone is stopped without signalling whoever holds its pid now (pids are reused;
+    killpg on a stale id once hit another job's Ray), while the rest of its own group is still killed."""
+    import signal
+    import subprocess
+    import time
+
+    server = _Sleeper("sleeper", log_dir=str(tmp_path))
+    server.start(wait=False)
+    time.sleep(0.3)
+    group = server.proc.pid
+    children = [int(p) for p in subprocess.run(["pgrep", "-g", str(group)], capture_output=True,
+                                               text=True).stdout.split() if int(p) != group]
+    assert children
+    os.kill(group, signal.SIGKILL)  # the leader dies; its child lives on in the group
+    server.proc.wait()
+    server.stop()
+    time.sleep(0.2)
+    assert not any(_alive(c) for c in children)  # the group's survivors were killed
+
+    # a stranger that now holds the old leader's pid, leading a group of its own
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    server.lone = True
+    server.start(wait=False)
+    server.proc.kill()
+    server.proc.wait()
+    server.proc.pid = stranger.pid  # as if the kernel had reused the pid (Popen keeps `pid` as set)
+    try:
+        server.stop()
+        server.proc = None
+        time.sleep(0.2)
+        assert stranger.poll() is None, "stop() signalled a process group that was not the server's"
+    finally:
+        stranger.kill()
+        stranger.wait()
