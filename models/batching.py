@@ -46,7 +46,7 @@ class TokenBatch:
         for name in ("token_ids", *names):
             dtype = torch.long if name in _ID_FIELDS else torch.float32
             parts = [torch.as_tensor(s[name], dtype=dtype).reshape(-1) for s in samples]
-            for s, p, n in zip(samples, parts, lengths):
+            for p, n in zip(parts, lengths):
                 if p.numel() != n:
                     raise ValueError(f"sample field {name!r} has {p.numel()} values for {n} tokens")
             fields[name] = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
@@ -73,10 +73,6 @@ class TokenBatch:
     def sample(self, i: int, name: str) -> torch.Tensor:
         start = self.offsets[i]
         return self.fields[name][start:start + self.lengths[i]]
-
-    def field_sums(self, name: str) -> list[float]:
-        """Per-sample sums of a field (e.g. action tokens per sample from `loss_mask`)."""
-        return [float(t.sum()) for t in self.split(self.fields[name])]
 
     def select(self, indices: list[int]) -> "TokenBatch":
         """The samples at `indices`, in that order."""
@@ -276,4 +272,4 @@ def ppo_mini_batches(samples, mini_batches: int = 1, epochs: int = 1, seed: int 
 
 def split_per_sample(samples: list[dict], flat: torch.Tensor) -> list[torch.Tensor]:
     """A worker's flat per-token result for `samples` (dicts, in their order) → one tensor per sample."""
-    return list(torch.split(flat, [len(s["token_ids"]) for s in samples])) if samples else []
+    return TokenBatch([len(s["token_ids"]) for s in samples]).split(flat)

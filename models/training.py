@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from models.batching import MicroBatch, TokenBatch, make_micro_batches, padding_micro_batch, ppo_mini_batches
+from models.loading import supports_packed_sequences
 from models.weight_stream import WeightBuckets, full_shapes, write_hf_streamed
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,6 @@ class DeepSpeedWorker:
         self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,
                                        optim.zero_stage, dtype, optim.offload_optimizer, optim.offload_params)
         self.device = self.engine.device
-        from models.loading import supports_packed_sequences
-
         self.packed = optim.pack_micro_batches and supports_packed_sequences(model)
 
     @property

@@ -63,9 +63,6 @@ class WeightBuckets:
     def __len__(self) -> int:
         return len(self.plan)
 
-    def nbytes(self, index: int) -> int:
-        return sum(_full_numel(self.params[n]) * self.params[n].element_size() for n in self.plan[index])
-
     def _copy(self, names: list[str]) -> dict[str, torch.Tensor]:
         if self.on_device:
             return {n: self.params[n].detach().clone() for n in names}
@@ -85,11 +82,10 @@ class WeightBuckets:
 
 def write_hf_streamed(module: nn.Module, buckets: WeightBuckets, folder: str | Path, write: bool) -> int:
     """An HF-format folder (config.json, one safetensors shard per bucket and the index, or one model.safetensors)
-    written bucket by bucket, so
-    that no rank ever holds more than one bucket of the gathered model. Every rank calls it (the gathers are
-    collective); `write` says which one writes (the buckets' owner). Persistent buffers (unpartitioned) go into
-    the last shard. Returns the bytes written (0 on the other ranks). Loads in transformers and our engines as a
-    `save_pretrained` folder does."""
+    written bucket by bucket, so that no rank ever holds more than one bucket of the gathered model. Every rank
+    calls it (the gathers are collective); `write` says which one writes (the buckets' owner). Persistent buffers
+    (unpartitioned) go into the last shard. Returns the bytes written (0 on the other ranks). Loads in
+    transformers and our engines as a `save_pretrained` folder does."""
     from safetensors.torch import save_file
 
     folder = Path(folder)

@@ -16,10 +16,9 @@ device (Ray sets CUDA_VISIBLE_DEVICES), so its local rank is 0; NCCL refuses two
 from __future__ import annotations
 
 import ray
+import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-import torch
 
 from models.batching import as_token_batch, shard_by_tokens
 from models.training import DistEnv

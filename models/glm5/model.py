@@ -120,6 +120,9 @@ class Glm5Model(nn.Module):
             cache = Glm5Cache()
         past = cache.get_seq_length() if cache is not None else 0
         query_index = (past + torch.arange(s, device=h.device)).expand(b, s)
+        # a packed row (given positions, no mask, no cache); read only then: it costs a host sync
+        query_start = (packed_starts(position_ids, query_index)
+                       if position_ids is not None and attention_mask is None and past == 0 else None)
         if position_ids is None:
             position_ids = query_index
         key_mask = None
@@ -128,7 +131,6 @@ class Glm5Model(nn.Module):
                 raise ValueError(f"attention_mask must be [B, cached + new] = {(b, past + s)}, "
                                  f"got {tuple(attention_mask.shape)}")
             key_mask = None if bool(attention_mask.bool().all()) else attention_mask.bool()
-        query_start = packed_starts(position_ids, query_index) if attention_mask is None and past == 0 else None
         cos, sin = rope_angles(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
         ctx = AttnContext(cos, sin, query_index, key_mask, cache, len(self.layers), indexer_loss,
                           query_start=query_start)
