@@ -98,7 +98,7 @@ def run_world(ranks: int, packed: bool, args) -> dict:
         times, metrics = [], {}
         for _ in range(args.steps):
             started = time.perf_counter()
-            metrics = group.train_step(batch)
+            metrics = group.train_step(batch).result()
             times.append(time.perf_counter() - started)
         timed = times[1:] or times
         step_s = sum(timed) / len(timed)

@@ -90,7 +90,7 @@ def parity(url: str, actor, samples: list[dict]) -> float:
             await client.close()
         return [torch.tensor([lp for lp, *_ in b["meta_info"]["input_token_logprobs"][1:]]) for b in bodies]
 
-    ours = actor.compute_logprobs(samples)["old_logprobs"]
+    ours = actor.compute_logprobs(samples).result()["old_logprobs"]
     theirs = asyncio.run(served())
     return float(torch.cat([(o[1:] - t).abs() for o, t in zip(ours, theirs)]).mean())
 
@@ -103,7 +103,7 @@ def move_weights(actor) -> None:
         n = len(s["token_ids"])
         batch.append({**s, "rollout_logprobs": torch.full((n,), -8.0),
                       "advantages": torch.randn(n, generator=g) * s["loss_mask"]})
-    actor.train_step(batch)
+    actor.train_step(batch).result()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -165,8 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 move_weights(actor)
                 stale = parity(server.url, actor, scored)
-                stats = actor.sync_sglang([server.url], version, path, args.bucket_mb, "in_place",
-                                          str(root / "sync"), [1], version == 1)
+                urls = [server.url]
+                call = {"disk": ("push_sglang_disk", urls, version, str(root / "sync"), "in_place"),
+                        "tensor": ("push_sglang_tensors", urls, version, args.bucket_mb, [1], "in_place"),
+                        "distributed": ("push_sglang_group", urls, version, args.bucket_mb, [1], "in_place",
+                                        version == 1)}[path]
+                stats = actor.on_every_rank(*call)
                 runs.append({"seconds": stats["seconds"], "bytes": stats.get("bytes", nbytes),
                              "buckets": stats.get("buckets", 0), "logprob_diff_before": stale,
                              "logprob_diff_after": parity(server.url, actor, scored)})

@@ -24,16 +24,15 @@ from models import resolve_model_path
 from opd.advantages import opd_advantages
 from opd.config import DistillConfig, register_opd_configs, validate_opd
 from opd.teacher import TeacherWorker, check_same_tokenizer
-from rl.actor import needs_logprob_pass
+from rl.actor import needs_logprob_pass, needs_old_logprobs
 from rl.batch import add_advantages, to_samples, trainable
 from rl.checkpoint import Checkpointer
-from rl.cluster import (Workers, guard_metrics, push_weights, rollout_worker_kwargs, run_episodes, spawn,
-                        start_ray)
+from rl.cluster import Workers, guard_metrics, rollout_worker_kwargs, run_episodes, spawn, start_ray
 from rl.config import validate
 from rl.data import TaskSampler
 from rl.metrics import MetricsLogger, plot_curves
 from rl.stats import trajectory_metrics
-from rl.train import TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
+from rl.loop import TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
 
 log = logging.getLogger("opd.distill")
 
@@ -114,20 +113,23 @@ def distill_step(cfg: DistillConfig, w: Workers, teachers: dict, owner: dict, sa
         for s in traj_samples:
             s["traj"] = k
             samples.append(s)
-    if needs_logprob_pass(cfg.algorithm):  # π_old (several optimiser steps) and π_ref, as in rl.train
-        for key, values in w.actor.compute_logprobs(samples).items():
+    a = cfg.algorithm
+    if needs_logprob_pass(a):  # π_old (several optimiser steps, a KL in the reward) and π_ref, as in rl.train
+        for key, values in w.actor.compute_logprobs(samples, needs_old_logprobs(a)).result().items():
             for s, v in zip(samples, values):
                 s[key] = v
+    critic_update = None
     if cfg.opd.mode == "ppo_opd":
-        for s, v in zip(samples, w.critic.compute_values(samples)):
+        for s, v in zip(samples, w.critic.compute_values(samples).result()):
             s["values"] = v
-        metrics.update(add_advantages(samples, kept, cfg.algorithm))
-        a = cfg.algorithm
-        metrics.update(w.critic.train_step(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step))
+        metrics.update(add_advantages(samples, kept, a))
+        critic_update = w.critic.train_step(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step)
     metrics.update(opd_advantages(samples, cfg.opd.kl_coef, cfg.opd.kl_clip, add_to_existing=cfg.opd.mode == "ppo_opd"))
     metrics["perf/opd_s"] = timer.lap()
-    metrics.update(w.actor.train_step(samples, cfg.seed + step))
-    metrics.update(push_weights(w, step + 1, cfg.trainer.weight_sync_bucket_mb, cfg.trainer.verify_weight_sync))
+    metrics.update(w.actor.train_step(samples, cfg.seed + step).result())
+    metrics.update(w.sync.push(step + 1))
+    if critic_update is not None:
+        metrics.update(critic_update.result())
     metrics["perf/train_s"] = timer.lap()
     return metrics
 
@@ -186,7 +188,7 @@ def distill(cfg: DistillConfig) -> dict:
             w.critic.load(str(resume_from / "critic"))
         sampler.load_state_dict(state["sampler"])
         start = state["step"]
-        push_weights(w, start, cfg.trainer.weight_sync_bucket_mb)
+        w.sync.push(start)
         log.info("resumed from %s at step %d", resume_from, start)
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
                            OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)

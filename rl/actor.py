@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
@@ -15,15 +16,24 @@ from rl.config import AlgorithmConfig
 from rl.losses import kl_estimate, ppo_policy_loss, rollout_correction
 
 
+# Token lags (in weight versions) the mismatch metrics are broken down by; the last level gathers the rest.
+LAG_LEVELS = 4
+_LAGGED = tuple(f"lag{k}_{stat}" for k in range(LAG_LEVELS) for stat in ("tokens", "abs_diff", "masked"))
 # The statistics train_step sums over micro-batches and ranks (the same keys on every rank, for the all-reduce).
 _SUMMED = ("loss", "pg", "entropy", "clip_tokens", "dual_clip_tokens", "approx_kl_sum", "tis_truncated_tokens",
-           "mismatch_masked_tokens", "mismatch_abs_logp_sum", "vetoed_sequences")
+           "mismatch_masked_tokens", "mismatch_abs_logp_sum", "vetoed_sequences") + _LAGGED
 
 
 def needs_logprob_pass(algo: AlgorithmConfig) -> bool:
     """Whether the step computes π_old (and π_ref) before the update: for a reference, or because the update
     takes several optimiser steps (then π_old must be fixed before the first one changes the weights)."""
     return needs_reference(algo) or algo.ppo_epochs * algo.mini_batches > 1
+
+
+def needs_old_logprobs(algo: AlgorithmConfig) -> bool:
+    """π_old before the update: for several optimiser steps, or for a KL penalty in the reward. One step with no
+    KL in the reward reads π_old off its own forward (train_step), so the pass computes π_ref alone."""
+    return algo.ppo_epochs * algo.mini_batches > 1 or algo.kl_coef > 0
 
 
 def needs_reference(algo: AlgorithmConfig) -> bool:
@@ -34,7 +44,7 @@ def needs_reference(algo: AlgorithmConfig) -> bool:
 
 class ActorWorker(DeepSpeedWorker):
     # The per-token fields train_step reads (besides token_ids); the group sends those the samples have.
-    TRAIN_FIELDS = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs")
+    TRAIN_FIELDS = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "staleness")
 
     def __init__(self, model_path: str, optim: OptimConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None):
@@ -50,9 +60,9 @@ class ActorWorker(DeepSpeedWorker):
             self.reference.requires_grad_(False)
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[dict] | TokenBatch) -> dict[str, torch.Tensor]:
-        """π_old (this step's proximal policy) and, if kept, π_ref logprobs of every action token: flat tensors
-        in the batch's layout (`TokenBatch.split` gives one per sample)."""
+    def compute_logprobs(self, samples: list[dict] | TokenBatch, with_old: bool = True) -> dict[str, torch.Tensor]:
+        """π_old (this step's proximal policy; skipped unless `with_old`) and, if kept, π_ref logprobs of every
+        action token: flat tensors in the batch's layout (`TokenBatch.split` gives one per sample)."""
         batch = as_token_batch(samples, ("loss_mask",))
         self.module.eval()
         batches = self.micro_batches(batch, ("loss_mask",))
@@ -60,11 +70,12 @@ class ActorWorker(DeepSpeedWorker):
         for mb in batches:
             args = (mb.tensors["input_ids"], mb.tensors["attention_mask"], self.temperature)
             kwargs = dict(only=mb.tensors["loss_mask"], position_ids=mb.position_ids)
-            old.append(policy_logprobs(self.module, *args, **kwargs)[0])
+            if with_old:
+                old.append(policy_logprobs(self.module, *args, **kwargs)[0])
             if self.reference is not None:
                 ref.append(policy_logprobs(self.reference, *args, **kwargs)[0])
         release_memory()
-        out = {"old_logprobs": unbatch(batches, old, batch)}
+        out = {"old_logprobs": unbatch(batches, old, batch)} if with_old else {}
         if self.reference is not None:
             out["ref_logprobs"] = unbatch(batches, ref, batch)
         return out
@@ -87,7 +98,9 @@ class ActorWorker(DeepSpeedWorker):
         if a.ppo_epochs * a.mini_batches > 1 and not have_old:
             raise ValueError("several optimiser steps per batch need old_logprobs from compute_logprobs, "
                              "computed before the update")
+        have_lag = self.all_reduce([float(len(batch) > 0 and batch.has("staleness"))], "max")[0] > 0
         fields = ("loss_mask", "advantages", "rollout_logprobs") + (("old_logprobs",) if have_old else ())
+        fields += ("staleness",) if have_lag else ()
         if self.reference is not None:
             fields += ("ref_logprobs",)
         self.module.train()
@@ -115,6 +128,11 @@ class ActorWorker(DeepSpeedWorker):
         }
         if "kl_ref" in sums:
             metrics["actor/kl_ref"] = sums["kl_ref"] / tokens_seen
+        for k in range(LAG_LEVELS):  # the mismatch π_old vs μ by how many versions the tokens lag
+            n = sums[f"lag{k}_tokens"]
+            if n:
+                metrics[f"mismatch/abs_diff_lag{k}"] = sums[f"lag{k}_abs_diff"] / n
+                metrics[f"mismatch/masked_frac_lag{k}"] = sums[f"lag{k}_masked"] / n
         return metrics
 
     def _optimiser_step(self, samples: TokenBatch, fields: tuple[str, ...], have_old: bool, denom: float,
@@ -157,6 +175,13 @@ class ActorWorker(DeepSpeedWorker):
                     add("kl_ref", masked_sum(kl_estimate(logp.detach(), t["ref_logprobs"], "k3"), mask))
                 for k, v in {**stats, **corr}.items():
                     add(k, v)
+                if "staleness" in t:
+                    lag = t["staleness"].clamp(max=LAG_LEVELS - 1)
+                    for k in range(LAG_LEVELS):
+                        at = mask * (lag == k).float()
+                        add(f"lag{k}_tokens", at.sum())
+                        add(f"lag{k}_abs_diff", masked_sum((old - t["rollout_logprobs"]).abs(), at))
+                        add(f"lag{k}_masked", masked_sum(1.0 - keep, at))
                 return loss
             return compute
 
@@ -176,50 +201,62 @@ class ActorWorker(DeepSpeedWorker):
         stream = self.weight_stream(bucket_mb, shared=True)
         return [(i, ray.put(b)) for i, b in enumerate(stream) if b]
 
-    def sync_sglang(self, urls: list[str], version: int, mode: str, bucket_mb: int, pause_mode: str = "abort",
-                    folder: str = "", tp_sizes: list[int] | None = None, new_group: bool = False) -> dict:
-        """Push the policy to SGLang servers (rollout/sglang/weights.py): `tensor` hands them CUDA IPC handles of
-        our own GPU copies, `distributed` broadcasts over a process group with them (NCCL, gloo on CPU; the group
-        is kept for the next sync unless `new_group`), `disk` writes an HF folder they reload."""
-        import asyncio
+    # ---- the policy to SGLang servers (rollout/sglang/weights.py), one method per transport; rl/weight_sync.py
+    # picks one. Every rank takes part in gathering the weights (ZeRO-3); rank 0 sends them and reports.
+    def push_sglang_disk(self, urls: list[str], version: int, folder: str, pause_mode: str) -> dict:
+        """An HF folder, `folder`/v`version`, that the servers reload."""
+        from rollout.sglang.weights import sync_from_disk
 
-        from rollout.sglang import weights as sync
-
-        started = time.perf_counter()
-        if self.rank != 0:  # the other ranks take part in gathering each bucket (ZeRO-3); rank 0 sends them
-            if mode == "disk":
-                self.save_hf(f"{folder}/v{version}")
-            else:
-                for _ in self.weight_buckets(bucket_mb, on_device=True):
-                    pass
+        started, target = time.perf_counter(), f"{folder}/v{version}"
+        written = self.save_hf(target)
+        if self.rank != 0:
             return {}
-        if mode == "disk":
-            target = f"{folder}/v{version}"
-            written = self.save_hf(target)
-            stats = asyncio.run(sync.sync_from_disk(urls, target, version, pause_mode))
-            stats["bytes"] = written
-        elif mode == "tensor":
-            stats = asyncio.run(sync.sync_from_tensors(urls, self.weight_buckets(bucket_mb, on_device=True), version,
-                                                       tp_sizes, pause_mode))
-        elif mode == "distributed":
-            group = getattr(self, "_update_group", None)
-            if (new_group or getattr(group, "broken", False)) and group is not None:
-                try:
-                    group.close()
-                except Exception:  # a member died: the group is broken anyway
-                    pass
-                group = None
-            from rollout.sglang.server import advertised_host
+        stats = asyncio.run(sync_from_disk(urls, target, version, pause_mode))
+        return self._pushed({**stats, "bytes": written}, started)
 
-            # servers elsewhere reach us at this node's IP (the one they are advertised by, too)
-            address = advertised_host("0.0.0.0") if any("127.0.0.1" not in u for u in urls) else "127.0.0.1"
-            from models.training import free_port
+    def push_sglang_tensors(self, urls: list[str], version: int, bucket_mb: int, tp_sizes: list[int],
+                            pause_mode: str) -> dict:
+        """CUDA IPC handles of our own GPU copies, bucket by bucket (servers on this rank's GPU)."""
+        from rollout.sglang.weights import sync_from_tensors
 
-            stats, self._update_group = asyncio.run(sync.sync_over_group(
-                urls, self.weight_buckets(bucket_mb, on_device=True), version, address, free_port(), tp_sizes,
-                "nccl" if self.device.type == "cuda" else "gloo", pause_mode, group, self.device))
-        else:
-            raise ValueError(f"engine.sglang.weight_sync={mode!r}: tensor | distributed | disk")
+        started, buckets = time.perf_counter(), self.weight_buckets(bucket_mb, on_device=True)
+        if self.rank != 0:
+            return self._take_part(buckets)
+        return self._pushed(asyncio.run(sync_from_tensors(urls, buckets, version, tp_sizes, pause_mode)), started)
+
+    def push_sglang_group(self, urls: list[str], version: int, bucket_mb: int, tp_sizes: list[int],
+                          pause_mode: str, new_group: bool = False) -> dict:
+        """A broadcast over a process group with the servers (NCCL; gloo on the CPU), kept for the next sync
+        unless `new_group` or broken (a member died)."""
+        from models.training import free_port
+        from rollout.sglang.server import advertised_host
+        from rollout.sglang.weights import sync_over_group
+
+        started, buckets = time.perf_counter(), self.weight_buckets(bucket_mb, on_device=True)
+        if self.rank != 0:
+            return self._take_part(buckets)
+        group = getattr(self, "_update_group", None)
+        if group is not None and (new_group or getattr(group, "broken", False)):
+            try:
+                group.close()
+            except Exception:  # a member died: the group is broken anyway
+                pass
+            group = None
+        # servers elsewhere reach us at this node's IP (the one they are advertised by, too)
+        address = advertised_host("0.0.0.0") if any("127.0.0.1" not in u for u in urls) else "127.0.0.1"
+        stats, self._update_group = asyncio.run(sync_over_group(
+            urls, buckets, version, address, free_port(), tp_sizes, "nccl" if self.device.type == "cuda" else "gloo",
+            pause_mode, group, self.device))
+        return self._pushed(stats, started)
+
+    @staticmethod
+    def _take_part(buckets) -> dict:
+        for _ in buckets:  # each bucket's gather needs every rank
+            pass
+        return {}
+
+    @staticmethod
+    def _pushed(stats: dict, started: float) -> dict:
         release_memory()
         stats["seconds"] = time.perf_counter() - started
         return stats

@@ -32,14 +32,16 @@ def trainable(trajectories: list[Trajectory]) -> tuple[list[Trajectory], Counter
 
 
 def to_samples(trajectories: list[Trajectory]) -> list[dict]:
-    """One sample per segment; its per-token fields as 1-D tensors (token ids as int64, the rest float32)."""
+    """One sample per segment; its per-token fields as 1-D tensors (token ids and weight versions as int64, the
+    rest float32)."""
     samples = []
     for ti, t in enumerate(trajectories):
         for s in t.segments:
             samples.append({"traj": ti, "segment_index": s.segment_index, "segment_type": s.segment_type,
                             "token_ids": torch.tensor(s.token_ids, dtype=torch.long),
                             "loss_mask": torch.tensor(s.loss_mask, dtype=torch.float32),
-                            "rollout_logprobs": torch.tensor(s.rollout_logprobs, dtype=torch.float32)})
+                            "rollout_logprobs": torch.tensor(s.rollout_logprobs, dtype=torch.float32),
+                            "weight_versions": torch.tensor(s.weight_versions, dtype=torch.long)})
     return samples
 
 

@@ -1,4 +1,4 @@
-"""The Ray side of a run: start Ray, place the workers, dispatch episodes, move weights.
+"""The Ray side of a run: start Ray, place the workers, dispatch episodes (weights move in rl/weight_sync.py).
 
 Layout (docs/DESIGN.md §5): N rollout workers (each an engine replica running many episodes concurrently), the
 actor's and the critic's trainer groups (rl/group.py: each a DeepSpeed world of trainer.*_ranks Ray actors). On the embedded default everything is a
@@ -8,11 +8,8 @@ process on this machine; every placement comes from the config.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import ray
 from tqdm import tqdm
@@ -23,12 +20,10 @@ from models.training import OptimConfig
 from rl.actor import ActorWorker
 from rl.config import Config
 from rl.group import TrainerGroup
+from rl.weight_sync import WeightSync, make_weight_sync
 from rollout.sglang.fleet import SGLangFleet
 from rollout.types import Trajectory
 from rollout.worker import RolloutWorker
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +34,8 @@ class Workers:
     critic: TrainerGroup | None
     rollout: list[ray.actor.ActorHandle]
     fleet: SGLangFleet | None = None  # engine.type=sglang: the servers the rollout workers talk to
-    weight_sync_dir: str = ""
+    sync: WeightSync | None = None  # the actor's weights to the engines (rl/weight_sync.py)
     weight_version: int = 0  # what the engines serve
-    served_dtype: torch.dtype | None = None  # the fleet's weight dtype (sglang_served_dtype), for verify_weight_sync
 
 
 def start_ray(cfg: Config) -> None:
@@ -92,26 +86,9 @@ def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Wo
             for p in group.placement_info():
                 log.info("%s rank %d/%d on %s, GPUs %s (%s)", group.role, p["rank"], p["world_size"], p["node"],
                          p["gpus"] or "none", p["device"])
-    sync_dir = cfg.engine.sglang.weight_sync_dir or (f"{run_dir}/weights" if run_dir else "/tmp/agentic-rl-weights")
-    return Workers(actor, critic_worker, rollout, fleet, sync_dir,
-                   served_dtype=sglang_served_dtype(fleet) if fleet else None)
-
-
-def sglang_served_dtype(fleet: SGLangFleet) -> torch.dtype:
-    """The dtype the servers keep their weights in: the `dtype` server argument, or under `auto` (SGLang's default)
-    the checkpoint's `torch_dtype`. Resolved once when the fleet starts, not on every verified sync: neither the
-    servers' arguments nor the checkpoint's config.json change during a run."""
-    import json
-    from pathlib import Path
-
-    import torch
-
-    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
-    served = str(fleet.cfg.args.get("dtype", "auto"))
-    if served == "auto":  # SGLang serves the checkpoint's dtype
-        config = Path(fleet.model_path) / "config.json"
-        served = json.loads(config.read_text()).get("torch_dtype", "float32") if config.exists() else "float32"
-    return dtypes.get(str(served), torch.float32)
+    workers = Workers(actor, critic_worker, rollout, fleet)
+    workers.sync = make_weight_sync(cfg, workers, run_dir)
+    return workers
 
 
 def rollout_worker_kwargs(cfg: Config) -> dict:
@@ -138,103 +115,6 @@ def run_episodes(workers: Workers, tasks: list[Task], mode: str, seed: int, desc
     return results  # type: ignore[return-value]
 
 
-def push_weights(workers: Workers, version: int, bucket_mb: int, verify: bool = False) -> dict:
-    """Actor → every engine, bucket by bucket through Ray's object store; applied atomically per engine.
-    With an SGLang fleet the actor sends straight to the servers (tensor, NCCL or disk)."""
-    if workers.fleet is not None:
-        return push_weights_sglang(workers, version, bucket_mb, verify)
-    started = time.perf_counter()
-    refs = workers.actor.weight_bucket_refs(bucket_mb)
-    sizes = ray.get([w.receive_bucket.remote(r) for w in workers.rollout for r in refs])
-    versions = ray.get([w.commit_weights.remote(version) for w in workers.rollout])
-    elapsed = time.perf_counter() - started
-    nbytes = sum(sizes) / max(len(workers.rollout), 1)
-    out = {"perf/weight_sync_s": elapsed, "perf/weight_sync_mb": nbytes / 2**20,
-           "perf/weight_sync_buckets": len(refs), "rollout/weight_version": min(v["weight_version"] for v in versions)}
-    if verify:
-        trainer = {k: v for r in refs for k, v in ray.get(r).items()}
-        diffs = [max(float((engine[k] - t).abs().max()) for k, t in trainer.items())
-                 for engine in ray.get([w.engine_weights.remote() for w in workers.rollout])]
-        out["perf/weight_sync_max_abs_diff"] = max(diffs)
-    return out
-
-
-def push_weights_sglang(workers: Workers, version: int, bucket_mb: int, verify: bool = False,
-                        new_group: bool = False, urls: list[str] | None = None) -> dict:
-    """The actor's weights to the fleet's servers (`urls`: a subset, e.g. the restarted ones; default all)."""
-    fleet = workers.fleet
-    cfg = fleet.cfg
-    urls = list(fleet.urls if urls is None else urls)
-    tp = int(cfg.args.get("tp", cfg.args.get("tp-size", cfg.args.get("tp_size", 1))) or 1)
-    def sync(mode: str, fresh_group: bool) -> dict:
-        return workers.actor.sync_sglang(urls, version, mode, bucket_mb, cfg.pause_mode, workers.weight_sync_dir,
-                                         [tp] * len(urls), fresh_group)
-
-    with fleet.sync_lock:
-        started = time.perf_counter()
-        try:
-            stats = sync(cfg.weight_sync, new_group)
-        except Exception as e:
-            # Helps when the transport fails cleanly (a server that refuses or errors); a broadcast stuck
-            # inside a server would hold that server's update lock, and the health monitor has to act.
-            fallback = cfg.weight_sync_fallback
-            if not fallback or fallback == cfg.weight_sync:
-                raise
-            log.error("weight sync (%s) failed; %s from now on. The error: %s", cfg.weight_sync, fallback, e)
-            cfg.weight_sync = fallback
-            fleet.sync_fallbacks += 1
-            stats = sync(fallback, True)
-            stats["seconds"] = time.perf_counter() - started  # the failed attempt counts too
-    ray.get([w.set_weight_version.remote(version) for w in workers.rollout])
-    workers.weight_version = version
-    out = {"perf/weight_sync_s": stats["seconds"], "perf/weight_sync_mb": stats.get("bytes", 0) / 2**20,
-           "perf/weight_sync_buckets": stats.get("buckets", 0), "rollout/weight_version": version,
-           "rollout/server_restarts": fleet.restarts, "perf/weight_sync_fallbacks": fleet.sync_fallbacks}
-    if verify:
-        out["perf/weight_sync_max_abs_diff"] = verify_sglang_weights(workers)
-    return out
-
-
-def verify_sglang_weights(workers: Workers, names_per_server: int = 4, rows: int = 4) -> float:
-    """The first rows of a few parameters, read back from every server (`/get_weights_by_name`) and compared
-    with the trainer's. Servers fuse some parameters (q/k/v); names they do not answer for are skipped."""
-    import asyncio
-
-    import torch
-
-    from rollout.sglang.client import SGLangClient, SGLangError
-
-    shapes = workers.actor.parameter_shapes()
-    served_dtype = workers.served_dtype
-    names = [n for n, shape in shapes.items() if len(shape) <= 2]
-    picks = [names[int(i * (len(names) - 1) / max(names_per_server - 1, 1))] for i in range(names_per_server)]
-    state = workers.actor.gathered_state(picks)  # only the compared parameters are gathered
-
-    async def read(url: str) -> float:
-        client, worst, compared = SGLangClient(url), 0.0, 0
-        try:
-            for name in picks:
-                try:
-                    got = torch.tensor(await client.get_weights_by_name(name, rows), dtype=torch.float32)
-                except SGLangError:
-                    continue
-                want = state[name][:rows].to(served_dtype).float()  # the server keeps its own dtype
-                if got.shape == want.shape:
-                    worst, compared = max(worst, float((got - want).abs().max())), compared + 1
-        finally:
-            await client.close()
-        if not compared:  # nothing to compare is not a reason to lose the run: say so, report NaN
-            log.error("verify_weight_sync: %s answered for none of %s", url, picks)
-            return float("nan")
-        return worst
-
-    async def all_servers():
-        return await asyncio.gather(*(read(u) for u in workers.fleet.urls))
-
-    answered = [d for d in asyncio.run(all_servers()) if not math.isnan(d)]
-    return max(answered) if answered else float("nan")
-
-
 def engine_metrics(workers: Workers) -> dict:
     """Request, retry and prefix-cache counters of the SGLang engines, or the LocalEngines' speculative decoding
     counters (summed over rollout workers)."""
@@ -243,8 +123,9 @@ def engine_metrics(workers: Workers) -> dict:
     for m in per_worker:
         for k, v in m.items():
             out[k] = max(out.get(k, 0.0), v) if k.endswith("_s") else out.get(k, 0) + v
-    if per_worker and "engine/prefix_cache_hit" in out:
-        out["engine/prefix_cache_hit"] = sum(m["engine/prefix_cache_hit"] for m in per_worker) / len(per_worker)
+    for key in ("engine/prefix_cache_hit", "engine/busy_frac"):  # means over the workers
+        if per_worker and key in out:
+            out[key] = sum(m[key] for m in per_worker) / len(per_worker)
     if out.get("engine/speculative_rounds"):  # tokens a row gets per verify forward: its kept drafts + one
         out["engine/accept_length"] = 1 + out["engine/speculative_accepted"] / out["engine/speculative_rounds"]
     if workers.fleet is not None:

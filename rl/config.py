@@ -82,6 +82,10 @@ class AlgorithmConfig:
 class TrainerConfig:
     steps: int = 4
     episodes_per_step: int = 8
+    # K: how many weight versions a trained token may lag the policy being trained (rl/rollout_manager.py).
+    # 0: the synchronous loop (nothing runs while the trainer trains); K > 0: episodes run through the steps,
+    # continuing on new weights (partial rollouts), up to (K + 1) batches ahead of the trainer
+    max_staleness: int = 0
     learning_rate: float = 1e-6
     critic_learning_rate: float = 1e-5
     weight_decay: float = 0.0
@@ -113,6 +117,10 @@ class TrainerConfig:
     # split across them by tokens; ZeRO (zero_stage) shards over them. The reference lives on the actor's ranks.
     actor_ranks: int = 1
     critic_ranks: int = 1
+    # The actor's and the critic's passes and updates at the same time: auto = when each rank of both has a GPU
+    # of its own (sharing a GPU, their peaks add up: measured out of memory on one H200 beside SGLang; on the
+    # CPU they share the cores and gain nothing) | on | off
+    overlap_models: str = "auto"
     ray_address: Optional[str] = None  # None: start a local Ray
 
 
@@ -149,6 +157,13 @@ __all__ = ["Config", "ModelConfig", "EngineConfig", "EnvConfig", "SandboxLimitsC
            "register_configs"]
 
 
+def overlaps_models(t: TrainerConfig) -> bool:
+    """Whether the actor's and the critic's work of a step run at the same time (trainer.overlap_models)."""
+    if t.overlap_models == "auto":
+        return t.actor_gpus >= 1 and t.critic_gpus >= 1
+    return t.overlap_models == "on"
+
+
 def validate(cfg: Config) -> None:
     """Checks the schema cannot express (allowed values, consistency). Raises one error listing every problem,
     each with its key, before anything is started."""
@@ -160,6 +175,7 @@ def validate(cfg: Config) -> None:
 
     one_of("engine.type", cfg.engine.type, ["local", "sglang"])
     one_of("trainer.time_limit_action", cfg.trainer.time_limit_action, ["stop", "finish"])
+    one_of("trainer.overlap_models", cfg.trainer.overlap_models, ["auto", "on", "off"])
     sg = cfg.engine.sglang
     if cfg.engine.type == "sglang":
         one_of("engine.sglang.weight_sync", sg.weight_sync, ["tensor", "distributed", "disk"])
@@ -200,6 +216,12 @@ def validate(cfg: Config) -> None:
         problems.append("algorithm.ppo_epochs and algorithm.mini_batches must be >= 1")
     if a.tis_low > a.tis_high:
         problems.append("algorithm.tis_low must be <= algorithm.tis_high")
+    if cfg.trainer.max_staleness < 0:
+        problems.append(f"trainer.max_staleness={cfg.trainer.max_staleness}: must be >= 0 (0: synchronous)")
+    if cfg.trainer.max_staleness and cfg.engine.type == "sglang" and sg.pause_mode != "abort":
+        problems.append(f"trainer.max_staleness > 0 with engine.sglang.pause_mode={sg.pause_mode}: SGLang reports "
+                        "only a request's final weight version, so the tokens sampled before the update would be "
+                        "credited to the new one; pause_mode=abort continues them exactly (a partial rollout)")
     for key in ("steps", "episodes_per_step", "micro_batch_tokens"):
         if getattr(cfg.trainer, key) < 1:
             problems.append(f"trainer.{key} must be >= 1")

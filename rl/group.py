@@ -28,6 +28,23 @@ from models.training import DistEnv
 CPU_PER_RANK = 0.01
 
 
+class Pending:
+    """Calls in flight on every rank of a group; `result()` waits for them and shapes their answers."""
+
+    def __init__(self, refs: list, finish):
+        self.refs, self.finish = refs, finish
+        self._answer, self._done = None, False
+
+    def wait(self) -> "Pending":
+        """Wait now (before starting anything else); `result()` then returns at once."""
+        if not self._done:
+            self._answer, self._done = self.finish(ray.get(self.refs)), True
+        return self
+
+    def result(self):
+        return self.wait()._answer
+
+
 @ray.remote(num_cpus=0)
 def _rendezvous() -> tuple[str, int]:
     """Rank 0's address and a free port there (run in rank 0's bundle, so on its node)."""
@@ -63,13 +80,14 @@ class TrainerGroup:
     def _all(self, method: str, *args, **kwargs) -> list:
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
-    def _sharded(self, method: str, samples: list[dict], fields: tuple[str, ...], *args) -> tuple[list, list]:
-        """Every rank gets its shard as a TokenBatch (flat tensors of `fields`, those the samples have); returns
-        ((sample indices, TokenBatch) per rank, each rank's answer)."""
+    def _sharded(self, method: str, samples: list[dict], fields: tuple[str, ...], *args,
+                 finish=lambda shards, results: results) -> "Pending":
+        """Every rank gets its shard as a TokenBatch (flat tensors of `fields`, those the samples have); the
+        answer, `finish((sample indices, TokenBatch) per rank, each rank's answer)`, comes from `.result()`."""
         batch = as_token_batch(samples, fields)
         shards = [(indices, batch.select(indices)) for indices in shard_by_tokens(batch, self.ranks)]
-        results = ray.get([getattr(w, method).remote(shard, *args) for w, (_, shard) in zip(self.workers, shards)])
-        return shards, results
+        refs = [getattr(w, method).remote(shard, *args) for w, (_, shard) in zip(self.workers, shards)]
+        return Pending(refs, lambda results: finish(shards, results))
 
     @staticmethod
     def _per_sample(count: int, shards: list, flats: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,19 +105,24 @@ class TrainerGroup:
         """Per rank: its node's address and the GPUs Ray gave it (for the run log)."""
         return self._all("placement_info")
 
-    def train_step(self, samples: list[dict], *args) -> dict:
-        _, results = self._sharded("train_step", samples, self.train_fields, *args)
-        return {**results[0], f"{self.role}/ranks": self.ranks}
+    # The three calls of a step return `Pending`: the driver starts the actor's and the critic's work together
+    # (both groups run at once, on their own ranks) and waits when it needs the answers.
+    def train_step(self, samples: list[dict], *args) -> "Pending":
+        """The update on `samples`; `.result()`: rank 0's metrics."""
+        return self._sharded("train_step", samples, self.train_fields, *args,
+                             finish=lambda _, results: {**results[0], f"{self.role}/ranks": self.ranks})
 
-    def compute_logprobs(self, samples: list[dict]) -> dict[str, list[torch.Tensor]]:
-        """π_old (and π_ref) per sample: {name: one 1-D tensor per sample, in the caller's order}."""
-        shards, results = self._sharded("compute_logprobs", samples, ("loss_mask",))
-        return {key: self._per_sample(len(samples), shards, [r[key] for r in results]) for key in results[0]}
+    def compute_logprobs(self, samples: list[dict], with_old: bool = True) -> "Pending":
+        """π_old (unless not `with_old`) and π_ref per sample; `.result()`: {name: one 1-D tensor per sample, in
+        the caller's order}."""
+        def finish(shards, results):
+            return {key: self._per_sample(len(samples), shards, [r[key] for r in results]) for key in results[0]}
+        return self._sharded("compute_logprobs", samples, ("loss_mask",), with_old, finish=finish)
 
-    def compute_values(self, samples: list[dict]) -> list[torch.Tensor]:
-        """V per sample: one 1-D tensor per sample, in the caller's order."""
-        shards, results = self._sharded("compute_values", samples, ())
-        return self._per_sample(len(samples), shards, results)
+    def compute_values(self, samples: list[dict]) -> "Pending":
+        """V per sample; `.result()`: one 1-D tensor per sample, in the caller's order."""
+        return self._sharded("compute_values", samples, (),
+                             finish=lambda shards, results: self._per_sample(len(samples), shards, results))
 
     def weight_bucket_refs(self, bucket_mb: int) -> list:
         """Every bucket's object-store ref, in bucket order; each rank put its own share."""
@@ -113,8 +136,9 @@ class TrainerGroup:
     def parameter_shapes(self) -> dict:
         return self._all("parameter_shapes")[0]
 
-    def sync_sglang(self, *args) -> dict:
-        return self._all("sync_sglang", *args)[0]
+    def on_every_rank(self, method: str, *args) -> dict:
+        """`method` on every rank (each takes part, e.g. in gathering the weights); rank 0's answer."""
+        return self._all(method, *args)[0]
 
     def save(self, folder: str) -> None:
         self._all("save", folder)

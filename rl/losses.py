@@ -58,7 +58,13 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
 def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                        tis_low: float = 0.5, tis_high: float = 2.0, mask_low: float | None = 0.2,
                        mask_high: float | None = 5.0, veto: float | None = 1e-4):
-    """Importance weights for the engine/trainer mismatch (decoupled PPO + token TIS + two-sided mask + veto).
+    """Importance weights on the behaviour policy (decoupled PPO + token TIS + two-sided mask + veto).
+
+    Decoupled PPO (Hilton et al., 2022; AReaL's asynchronous loop): the tokens were sampled by μ, the engine's
+    policy, which differs from the trainer's by numerics and, with trainer.max_staleness = K > 0, by up to K
+    weight updates; the proximal policy π_old is the policy at the start of this update. The PPO ratio and its
+    clip use π/π_old (ppo_policy_loss); each token's term is weighted by π_old/μ, so stale tokens are corrected,
+    not only numerical mismatch:
 
         ρ^μ = π_old(a) / μ(a);  w = clamp(ρ^μ, tis_low, tis_high) (stop-gradient)
         M = 1[mask_low ≤ ρ^μ ≤ mask_high];  a sequence with any ρ^μ < veto is dropped whole.

@@ -122,6 +122,17 @@ class AgentEpisode:
         self.generate_calls = 0  # turns and summaries: each call gets its own seed and request id
         self.header_len = len(rt.encode(rt.chat.generation_prompt()))
         self.timings = {"generate_s": 0.0, "tool_s": 0.0, "guard_s": 0.0, "grade_s": 0.0}
+        self.abort_reason = ""  # set by abort(): the loop ends at its next step, the trajectory is not graded
+        self._request_id: str | None = None  # the generation in flight
+
+    async def abort(self, reason: str) -> None:
+        """End the episode early (a timeout, or too stale to train on): the generation in flight is aborted and
+        the loop stops before its next step. Idempotent."""
+        if self.abort_reason:
+            return
+        self.abort_reason = reason
+        if self._request_id is not None:
+            await self.rt.engine.abort([self._request_id])
 
     # ---- helpers --------------------------------------------------------------------------------------
     async def _generate(self, ledger: TokenLedger, max_new: int):
@@ -129,10 +140,14 @@ class AgentEpisode:
         call = self.generate_calls
         self.generate_calls += 1
         seed = None if self.sampling.seed is None else self.sampling.seed + call * 7919
-        result = await self.rt.engine.generate(ledger.ids, self.sampling.replace(max_new_tokens=max_new, seed=seed),
-                                               request_id=f"{self.rollout_id}-{call}", session_id=self.rollout_id)
+        self._request_id = f"{self.rollout_id}-{call}"
+        try:
+            result = await self.rt.engine.generate(ledger.ids, self.sampling.replace(max_new_tokens=max_new, seed=seed),
+                                                   request_id=self._request_id, session_id=self.rollout_id)
+        finally:
+            self._request_id = None
         self.timings["generate_s"] += time.perf_counter() - started
-        ledger.append_output(result.output_ids, result.output_logprobs, int(result.meta.get("weight_version", 0)))
+        ledger.append_output(result.output_ids, result.output_logprobs, result.versions())
         self.sampled += len(result.output_ids)
         return result
 
@@ -171,7 +186,9 @@ class AgentEpisode:
             self.ledger.append_context(self.rt.encode(self.rt.chat.render(self.history, add_generation_prompt=False)))
             self.traj.finish_reason = await self._loop(sandbox)
             self._close_segment(self.ledger, "final")
-            if self.traj.finish_reason != "aborted":
+            if self.abort_reason:
+                self.traj.grade_details["aborted"] = self.abort_reason
+            elif self.traj.finish_reason != "aborted":
                 files = await asyncio.to_thread(collect_files, (await sandbox.get()).workspace)
                 t0 = time.perf_counter()
                 result = await asyncio.to_thread(grade, self.task, files, self.rt.sandbox_backend, self.rt.reward,
@@ -194,6 +211,8 @@ class AgentEpisode:
     async def _loop(self, sandbox) -> str:
         cfg, rt = self.cfg, self.rt
         while True:
+            if self.abort_reason:
+                return "aborted"
             if self.traj.num_turns >= cfg.max_turns:
                 return "max_turns"
             budget = cfg.max_episode_tokens - self.sampled

@@ -79,6 +79,9 @@ class AgentConfig:
     max_new_tokens: int = 256  # per turn
     max_episode_tokens: int = 2048  # sampled tokens over the whole episode (all segments)
     tool_timeout_s: float = 20.0
+    # An episode still running after this long is aborted and not trained on (counted in rollout/dropped_aborted);
+    # 0: no limit. Generation, tools and grading all count.
+    episode_timeout_s: float = 1800.0
     observation_max_chars: int = 2000
     # A reply without a tool call but with a ```python block is taken as the final answer: written to the task's
     # entry file and submitted. Small policies write code blocks long before they learn tool syntax.
@@ -96,6 +99,8 @@ class AgentConfig:
         if self.context_window <= c.reserve + 128:
             raise ValueError(f"agent.context_window ({self.context_window}) leaves no room for a prompt "
                              f"after the reserve ({c.reserve})")
+        if self.episode_timeout_s < 0:
+            raise ValueError(f"agent.episode_timeout_s must be >= 0 (0: no limit), got {self.episode_timeout_s}")
         if self.max_turns < 1 or self.max_new_tokens < 1:
             raise ValueError("agent.max_turns and agent.max_new_tokens must be >= 1")
         if self.train_blocked_tokens not in ("keep", "mask"):

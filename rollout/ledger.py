@@ -12,7 +12,7 @@ class TokenLedger:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per token: the weight version that sampled it, or -1
     _last_output: tuple[int, int] | None = None  # [start, end) of the latest sampled output
 
     def __len__(self) -> int:
@@ -23,16 +23,20 @@ class TokenLedger:
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
 
-    def append_output(self, ids: list[int], logprobs: list[float], version: int) -> None:
-        """Tokens the policy sampled, with their behaviour logprobs (loss mask 1)."""
-        if len(ids) != len(logprobs):
-            raise ValueError(f"{len(ids)} output ids but {len(logprobs)} logprobs")
+    def append_output(self, ids: list[int], logprobs: list[float], versions: list[int] | int) -> None:
+        """Tokens the policy sampled, with their behaviour logprobs (loss mask 1) and the weight version that
+        sampled each (one int: all of them)."""
+        if isinstance(versions, int):
+            versions = [versions] * len(ids)
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(f"{len(ids)} output ids, {len(logprobs)} logprobs, {len(versions)} versions")
         start = len(self.ids)
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += list(logprobs)
-        self.versions.append(version)
+        self.versions += list(versions)
         self._last_output = (start, len(self.ids))
 
     def clear(self) -> None:

@@ -3,7 +3,9 @@
 Requests from many concurrent episodes are gathered into batches: a background thread takes whatever is
 queued (up to `max_batch_size`, after a short gathering window), left-pads the prompts, prefills once and
 decodes with a KV cache until every row has stopped. Each row keeps its own sampling parameters and seed.
-Weight updates wait for the running batch to end (the pause → update → resume protocol of docs/DESIGN.md §3.7).
+Weight updates (pause → update → resume, docs/DESIGN.md §3.7) do not wait for the running batch: it parks
+between two decode steps, the weights change, and it continues on the new ones with its KV cache kept (SGLang's
+`in_place` pause). That is a partial rollout: each output token records the weight version that sampled it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class _Batch:
     stop_ids: list[set[int]]
     out_ids: list[list[int]]
     out_lp: list[list[float]]
+    out_ver: list[list[int]]  # the weight version that sampled each output token
     finish: list[str | None]
 
     @property
@@ -92,7 +95,10 @@ class LocalEngine:
         # transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version takes.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "prompt_tokens": 0, "busy_s": 0.0}
+        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "prompt_tokens": 0, "busy_s": 0.0,
+                      "parked_batches": 0, "partial_rollouts": 0, "decode_steps": 0}
+        self._usage_seen = (time.perf_counter(), 0.0, 0)  # (when, busy_s, partial_rollouts) at the last report
+        self._parked_s = 0.0  # the running batch's time parked for weight updates (not busy)
         self._thread = threading.Thread(target=self._serve, name="local-engine", daemon=True)
         self._thread.start()
 
@@ -123,9 +129,10 @@ class LocalEngine:
         await asyncio.to_thread(self.load_weights, weights, version)
 
     async def pause(self) -> None:
+        """Returns once no forward runs: the running batch (if any) is parked between two decode steps."""
         with self._cond:
             self._paused = True
-        await asyncio.to_thread(self._model_lock.acquire)  # wait for the running batch
+        await asyncio.to_thread(self._model_lock.acquire)
         self._model_lock.release()
 
     async def resume(self) -> None:
@@ -143,6 +150,14 @@ class LocalEngine:
     async def health(self) -> dict:
         return {"ok": self._thread.is_alive(), "weight_version": self.weight_version, "queued": len(self._queue),
                 **self.stats}
+
+    def usage_metrics(self) -> dict:
+        """Since the last call: the fraction of wall time the engine spent computing (`engine/busy_frac`), the
+        generations that a weight update cut and that went on with the new weights, the speculative counters."""
+        now, busy, partial = time.perf_counter(), self.stats["busy_s"], self.stats["partial_rollouts"]
+        (then, busy_then, partial_then), self._usage_seen = self._usage_seen, (now, busy, partial)
+        return {"engine/busy_frac": min(1.0, (busy - busy_then) / max(now - then, 1e-9)),
+                "engine/partial_rollouts": partial - partial_then, **self.speculative_metrics()}
 
     def speculative_metrics(self) -> dict:
         """Speculative decoding counters since the last call: verify rounds summed over rows, and drafts emitted
@@ -208,14 +223,14 @@ class LocalEngine:
             if not batch:
                 continue
             with self._model_lock:
-                started = time.perf_counter()
+                started, self._parked_s = time.perf_counter(), 0.0
                 try:
                     results = self._run_batch(batch)
                 except Exception as exc:  # a failing batch must not hang its callers
                     for request in batch:
                         request.loop.call_soon_threadsafe(_set_exception, request.future, exc)
                     continue
-                busy = time.perf_counter() - started
+                busy = time.perf_counter() - started - self._parked_s
             self.stats["batches"] += 1
             self.stats["busy_s"] += busy
             for request, result in zip(batch, results):
@@ -225,6 +240,26 @@ class LocalEngine:
                 self._finish(request, result)
         for request in pending:
             self._finish(request, GenerateResult([], [], "abort", {"weight_version": self.weight_version}))
+
+    def _park_while_paused(self, b: _Batch) -> None:
+        """Between two decode steps: while a weight update is under way, give the model up and wait. The rows
+        go on afterwards on the new weights (their tokens say so); closing the engine ends them as aborted."""
+        self.stats["decode_steps"] += 1
+        if not self._paused:  # read without the lock: a stale False only delays the park by one step
+            return
+        parked = time.perf_counter()
+        self.stats["parked_batches"] += 1
+        self.stats["partial_rollouts"] += sum(f is None for f in b.finish)  # rows that go on on new weights
+        self._model_lock.release()
+        try:
+            with self._cond:
+                while self._paused and not self._closed:
+                    self._cond.wait()
+        finally:
+            self._model_lock.acquire()
+            self._parked_s += time.perf_counter() - parked
+        if self._closed:
+            b.finish = [f or "abort" for f in b.finish]
 
     def _finish(self, request: _Request, result: GenerateResult) -> None:
         self._aborted.discard(request.request_id)
@@ -251,7 +286,8 @@ class LocalEngine:
                       torch.tensor([s.top_p for s in sp], dtype=torch.float32, device=self.device),
                       torch.tensor([s.top_k for s in sp], dtype=torch.long, device=self.device), temperature <= 0,
                       generators, max_new, [set() if s.ignore_eos else set(s.stop_token_ids) for s in sp],
-                      [[] for _ in batch], [[] for _ in batch], ["length" if m == 0 else None for m in max_new])
+                      [[] for _ in batch], [[] for _ in batch], [[] for _ in batch],
+                      ["length" if m == 0 else None for m in max_new])
 
     def _emit(self, b: _Batch, i: int, token: int, logprob: float) -> bool:
         """Append one sampled token to row i unless the row has finished (then False); mark it finished when it
@@ -264,6 +300,7 @@ class LocalEngine:
             return False
         b.out_ids[i].append(token)
         b.out_lp[i].append(logprob)
+        b.out_ver[i].append(self.weight_version)
         if token in b.stop_ids[i] or (not sp.ignore_eos and self._hit_stop_string(b.out_ids[i], sp.stop_strings)):
             b.finish[i] = "stop"
         elif len(b.out_ids[i]) >= b.max_new[i]:
@@ -276,7 +313,8 @@ class LocalEngine:
         self.stats["generated_tokens"] += sum(len(o) for o in b.out_ids)
         return [GenerateResult(b.out_ids[i], b.out_lp[i], b.finish[i] or "length",
                                {"request_id": r.request_id, "weight_version": self.weight_version,
-                                "prompt_tokens": len(r.input_ids), "completion_tokens": len(b.out_ids[i]), **meta})
+                                "prompt_tokens": len(r.input_ids), "completion_tokens": len(b.out_ids[i]), **meta},
+                               b.out_ver[i])
                 for i, r in enumerate(b.requests)]
 
     def _process(self, b: _Batch, logits: torch.Tensor) -> torch.Tensor:
@@ -311,6 +349,9 @@ class LocalEngine:
         _, tokens = self._prefill(b, cache)
         mask, next_pos = b.mask, b.positions[:, -1:] + 1
         while not b.done:
+            self._park_while_paused(b)
+            if b.done:
+                break
             mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=mask.device)], dim=1)
             logits = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
                                 use_cache=True, **{self._cache_kwarg: cache}).logits[:, -1].float()
@@ -341,6 +382,9 @@ class LocalEngine:
         offset, pos = torch.full((n,), width - 1, device=self.device), b.positions[:, -1]
         row_rounds, row_accepted = [0] * n, [0] * n  # verify rounds a row took part in; its drafts emitted
         while not b.done:
+            self._park_while_paused(b)
+            if b.done:
+                break
             past = cache.get_seq_length()  # drafting reads the cache, never appends to it
             # h1 covers the cache's newest h1.shape[1] slots and `offset` is the row's last real anchor among them,
             # so its cache slot (the draft's causal bound) is past − h1.shape[1] + offset

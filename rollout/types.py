@@ -28,6 +28,15 @@ class GenerateResult:
     output_logprobs: list[float]  # log μ(token), μ = the distribution actually sampled from
     finish_reason: str  # "stop" | "length" | "abort"
     meta: dict[str, Any] = field(default_factory=dict)  # weight_version, request id, timings, replay data
+    # The weight version that sampled each output token: a generation paused for a weight update and continued
+    # on the new weights (a partial rollout) spans two or more. Empty: every token came from meta's weight_version.
+    token_versions: list[int] = field(default_factory=list)
+
+    def versions(self) -> list[int]:
+        """One weight version per output token."""
+        if self.token_versions:
+            return list(self.token_versions)
+        return [int(self.meta.get("weight_version", 0))] * len(self.output_ids)
 
 
 SEGMENT_TYPES = ("final", "summary_closed")
@@ -43,18 +52,26 @@ class Segment:
     loss_mask: list[int]
     rollout_logprobs: list[float]  # aligned with token_ids; 0 where loss_mask == 0
     segment_type: str = "final"
-    weight_versions: list[int] = field(default_factory=list)  # engine weight version of each generation call
+    # aligned with token_ids: the weight version that sampled each token, -1 where the policy sampled nothing
+    weight_versions: list[int] = field(default_factory=list)
     replay: dict[str, Any] | None = None  # routed experts / indexer top-k when the engine returns them
 
     def __post_init__(self):
         n = len(self.token_ids)
-        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+        if not self.weight_versions:
+            self.weight_versions = [-1] * n
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n or len(self.weight_versions) != n:
             raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: token_ids ({n}), loss_mask "
-                             f"({len(self.loss_mask)}) and rollout_logprobs ({len(self.rollout_logprobs)}) differ")
+                             f"({len(self.loss_mask)}), rollout_logprobs ({len(self.rollout_logprobs)}) and "
+                             f"weight_versions ({len(self.weight_versions)}) differ")
 
     @property
     def num_action_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    def sampled_versions(self) -> list[int]:
+        """The weight versions of the trained (loss-masked) tokens."""
+        return [v for v, m in zip(self.weight_versions, self.loss_mask) if m]
 
 
 @dataclass
@@ -85,3 +102,8 @@ class Trajectory:
     @property
     def num_action_tokens(self) -> int:
         return sum(s.num_action_tokens for s in self.segments)
+
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the trained tokens (None: no trained token)."""
+        versions = [v for s in self.segments for v in s.sampled_versions()]
+        return min(versions) if versions else None

@@ -1,12 +1,16 @@
 """Ray rollout worker: an engine replica, a guard, and concurrent agent episodes on it.
 
 The driver submits one `run_episode` call per task; the worker is an async Ray actor, so calls overlap and the
-LocalEngine batches their generation requests. Weights arrive in buckets from the trainer between steps.
+LocalEngine batches their generation requests. Weights arrive in buckets from the trainer, between steps or (the
+asynchronous loop) while episodes run: their generations pause, and go on with the new weights.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import os
+
 import torch
 
 from antihack import Guard
@@ -19,6 +23,8 @@ from rollout.local_engine import LocalEngine
 from rollout.sglang.engine import SGLangEngine
 from rollout.tool_parsers import make_tool_parser
 from rollout.types import SamplingParams, Trajectory
+
+ABORT_GRACE_S = 10.0  # after abort(), how long an episode may take to stop before it is left to end on its own
 
 
 class RolloutWorker:
@@ -46,6 +52,7 @@ class RolloutWorker:
             sandbox_backend=sandbox_backend, sandbox_limits=dict(sandbox_limits or {}), reward=reward,
             grade_timeout_s=grade_timeout_s)
         self._pending: dict[str, torch.Tensor] = {}
+        self._episodes: dict[str, AgentEpisode] = {}  # rollout id → running episode (for abort_episodes)
 
     def sampling(self, mode: str, seed: int | None) -> SamplingParams:
         e = self.engine_cfg
@@ -54,7 +61,32 @@ class RolloutWorker:
 
     async def run_episode(self, task: Task, mode: str = "train", seed: int | None = None,
                           rollout_id: str | None = None) -> Trajectory:
-        return await AgentEpisode(self.runtime, task, self.sampling(mode, seed), rollout_id).run()
+        """One episode. Past `agent.episode_timeout_s` it is aborted (finish reason "aborted", grade_details'
+        "aborted": "timeout"); one stuck where an abort cannot reach it (a hung tool call or grading) is returned
+        as it stands after ABORT_GRACE_S and left to end by itself, closing its sandbox."""
+        episode = AgentEpisode(self.runtime, task, self.sampling(mode, seed), rollout_id)
+        self._episodes[episode.rollout_id] = episode
+        running = asyncio.ensure_future(episode.run())
+        try:
+            timeout = self.runtime.config.episode_timeout_s or None
+            done, _ = await asyncio.wait({running}, timeout=timeout)
+            if not done:
+                await episode.abort("timeout")
+                done, _ = await asyncio.wait({running}, timeout=ABORT_GRACE_S)
+            if done:
+                return running.result()
+            traj = copy.deepcopy(episode.traj)
+            traj.finish_reason = "aborted"
+            traj.grade_details["aborted"] = episode.abort_reason
+            return traj
+        finally:
+            self._episodes.pop(episode.rollout_id, None)
+
+    async def abort_episodes(self, rollout_ids: list[str], reason: str) -> int:
+        """Abort these running episodes (unknown ids are ignored); returns how many were running."""
+        episodes = [self._episodes[r] for r in rollout_ids if r in self._episodes]
+        await asyncio.gather(*(e.abort(reason) for e in episodes))
+        return len(episodes)
 
     # ---- weight sync (receiving side) -----------------------------------------------------------------
     async def receive_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
@@ -77,9 +109,9 @@ class RolloutWorker:
             self.engine.set_weight_version(version)
 
     async def engine_metrics(self) -> dict:
-        if isinstance(self.engine, SGLangEngine):
-            return self.engine.stats.as_metrics()
-        return self.engine.speculative_metrics()
+        """Since the last call: the engine's busy fraction and its counters (requests and prefix cache on SGLang,
+        speculative decoding on the LocalEngine)."""
+        return self.engine.usage_metrics()
 
     async def engine_weights(self) -> dict[str, torch.Tensor]:
         """The engine's current parameters (for verifying a sync)."""

@@ -175,7 +175,7 @@ def test_two_ranks_per_model_then_resume_on_one(tmp_path):
     """trainer.actor_ranks=2 trainer.critic_ranks=2: each model a DeepSpeed world of two Ray actors (gloo) in a
     placement group, the samples split between them (packed micro-batches); weights sync (each rank its share)
     and checkpoint from the group; the run then resumes from that 2-rank ZeRO-2 checkpoint on one rank per model
-    through DeepSpeed's universal checkpoint."""
+    through DeepSpeed's universal checkpoint, and goes on with the asynchronous loop."""
     from rl.train import train
 
     common = [f"output_dir={tmp_path}", "trainer.eval_at_start=false", "logging.wandb_mode=disabled",
@@ -186,8 +186,13 @@ def test_two_ranks_per_model_then_resume_on_one(tmp_path):
     assert first["actor/optim_steps"] == 2 and first["critic/optim_steps"] == 2
     run = tmp_path / "coding_ppo_tiny"
     assert (run / "checkpoints" / "step_000001" / "actor" / "hf" / "model.safetensors").exists()
-    second = train(config(*common, "trainer.steps=2", "resume=true"))
+    # resumed asynchronously (trainer.max_staleness=1): step 3 trains on episodes that ran through step 2
+    second = train(config(*common, "trainer.steps=3", "resume=true", "trainer.max_staleness=1",
+                          "trainer.keep_checkpoints=3"))
     assert second["actor/ranks"] == 1 and second["perf/weight_sync_max_abs_diff"] == 0.0
     for model in ("actor", "critic"):
         assert (run / "checkpoints" / "step_000001" / model / "state" / "universal" / "state" / ".complete").exists()
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["async/staleness_max"] <= 1 and r["rollout/weight_version"] == r["step"] for r in records[1:])
+    assert records[2]["async/staleness_max"] == 1  # the batch's episodes started before step 2's update

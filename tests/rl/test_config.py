@@ -94,3 +94,13 @@ def test_ppo_step_counts_are_validated():
     with pytest.raises(ValueError, match="ppo_epochs and algorithm.mini_batches must be >= 1"):
         validate(composed("+experiment=coding_ppo", "algorithm.mini_batches=0"))
     validate(composed("+experiment=coding_ppo", "algorithm.ppo_epochs=2", "algorithm.mini_batches=4"))
+
+
+def test_the_models_overlap_only_on_gpus_of_their_own():
+    from rl.config import TrainerConfig, overlaps_models
+
+    assert not overlaps_models(TrainerConfig())  # the CPU: one set of cores
+    assert not overlaps_models(TrainerConfig(actor_gpus=0.4, critic_gpus=0.3))  # one GPU shared: peaks add up
+    assert overlaps_models(TrainerConfig(actor_gpus=1, critic_gpus=1))
+    assert overlaps_models(TrainerConfig(overlap_models="on")) and not overlaps_models(
+        TrainerConfig(actor_gpus=1, critic_gpus=1, overlap_models="off"))

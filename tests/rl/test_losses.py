@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from critic.losses import masked_sum
 from rl.losses import kl_estimate, masked_whiten, ppo_policy_loss, rollout_correction
 
 
@@ -79,3 +80,29 @@ def test_masked_whiten():
     m = torch.tensor([1.0, 1.0, 1.0, 0.0])
     y = masked_whiten(x, m)
     assert y[:3].mean().abs() < 1e-6 and y[3] == 0
+
+
+def test_decoupled_ppo_corrects_stale_tokens_by_hand():
+    """Tokens sampled by a stale behaviour policy μ (trainer.max_staleness > 0); the proximal policy π_old is
+    the policy at the start of the update. Per token ρ^μ = π_old/μ = 2, 0.5, 1, 8: weights clamp(ρ^μ, 0.5, 2) =
+    2, 0.5, 1, 2 and the last token (ρ^μ > 5) masked. At π = π_old the PPO ratio is 1, so the loss is Σ −A·w over
+    the kept tokens and its gradient with respect to log π is −A·w there, 0 on the masked one."""
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.1, 0.4]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.4, 0.1, 0.05]]))
+    adv = torch.tensor([[1.0, -1.0, 2.0, 1.0]])
+    mask = torch.ones(1, 4)
+    weights, keep, stats = rollout_correction(old, behaviour, mask, 0.5, 2.0, 0.2, 5.0, None)
+    assert torch.allclose(weights, torch.tensor([[2.0, 0.5, 1.0, 2.0]]))
+    assert keep.tolist() == [[1.0, 1.0, 1.0, 0.0]] and float(stats["mismatch_masked_tokens"]) == 1.0
+    logp = old.clone().requires_grad_()
+    pg, _ = ppo_policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0)
+    loss = masked_sum(pg * weights, mask * keep)
+    loss.backward()
+    assert abs(float(loss) - (-2.0 + 0.5 - 2.0)) < 1e-6
+    assert torch.allclose(logp.grad, torch.tensor([[-2.0, 0.5, -2.0, 0.0]]))
+    # A later optimiser step: π moved up by 50% on token 0 (A > 0): the ratio 1.5 is past 1 + 0.28, clipped,
+    # and that token's gradient is zero while the others keep theirs (scaled by their ratio, here 1).
+    moved = (old + torch.log(torch.tensor([[1.5, 1.0, 1.0, 1.0]]))).requires_grad_()
+    pg, _ = ppo_policy_loss(moved, old, adv, mask, 0.2, 0.28, 3.0)
+    masked_sum(pg * weights, mask * keep).backward()
+    assert torch.allclose(moved.grad, torch.tensor([[0.0, 0.5, -2.0, 0.0]]))

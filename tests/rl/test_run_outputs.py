@@ -8,7 +8,7 @@ from environments import Task, TaskFile
 from rl.checkpoint import Checkpointer
 from rl.data import TaskSampler
 from rl.metrics import MetricsLogger, plot_curves, read_metrics
-from rl.train import TimeLimit, runs_out
+from rl.loop import TimeLimit, runs_out
 
 
 def test_metrics_jsonl_resume_and_plot(tmp_path):

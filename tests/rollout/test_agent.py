@@ -66,7 +66,9 @@ def test_tools_run_in_the_sandbox_and_the_work_is_graded(tokenizer, task_by_id):
     sampled = [lp for lp, m in zip(seg.rollout_logprobs, seg.loss_mask) if m]
     assert sampled == [-0.25] * len(sampled) and sum(seg.loss_mask) == len(sampled)
     assert all(lp == 0.0 for lp, m in zip(seg.rollout_logprobs, seg.loss_mask) if not m)
-    assert seg.weight_versions == [3, 3, 3, 3]
+    # every sampled token carries the version that sampled it; context tokens none
+    assert [v for v, m in zip(seg.weight_versions, seg.loss_mask) if m] == [3] * len(sampled)
+    assert all(v == -1 for v, m in zip(seg.weight_versions, seg.loss_mask) if not m)
     # token in / token out: every prompt the engine saw is a prefix of the final ledger
     assert all(seg.token_ids[:len(p)] == p for p in engine.prompts)
 
@@ -209,3 +211,41 @@ def test_the_first_turn_is_generated_while_the_sandbox_starts(tokenizer, task_by
     traj, engine = episode(tokenizer, task_by_id["add_two_numbers"], [call("bash", command="ls"), call("submit")])
     assert traj.finish_reason == "error" and "sandbox start failed" in traj.grade_details["error"]
     assert "no bubblewrap here" in traj.grade_details["error"] and len(engine.prompts) == 1
+
+
+class StallingEngine(ScriptedEngine):
+    """Its second generation never ends unless aborted (then it returns what it had, finish reason 'abort')."""
+
+    def __init__(self, tokenizer, replies):
+        super().__init__(tokenizer, replies)
+        self.aborted: list[str] = []
+
+    async def generate(self, input_ids, sampling, request_id=None, session_id=None):
+        if len(self.prompts) == 0:
+            return await super().generate(input_ids, sampling, request_id, session_id)
+        self.prompts.append(list(input_ids))
+        while request_id not in self.aborted:
+            await asyncio.sleep(0.01)
+        return GenerateResult([], [], "abort", {"weight_version": self.weight_version})
+
+    async def abort(self, request_ids):
+        self.aborted += request_ids
+
+
+def test_an_episode_past_its_timeout_is_aborted_and_not_graded(tokenizer, task_by_id):
+    """agent.episode_timeout_s: the generation in flight is aborted, the episode ends 'aborted' (never trained on,
+    counted), and the worker returns it instead of waiting for the stalled call."""
+    from rollout.worker import RolloutWorker
+
+    cfg = AgentConfig(context_window=4096, max_turns=6, max_new_tokens=200, max_episode_tokens=4000,
+                      episode_timeout_s=0.5)
+    engine = StallingEngine(tokenizer, ["Let me think first."])  # no tool call: the second turn comes at once
+    worker = object.__new__(RolloutWorker)  # the worker's episode logic alone, on this engine
+    worker.engine_cfg = type("E", (), {"temperature": 1.0, "eval_temperature": 0.0, "top_p": 1.0, "top_k": 0})()
+    worker.runtime = EpisodeRuntime(engine, tokenizer, make_chat_format("chatml"),
+                                    make_tool_parser("json", TOOL_SPECS), Guard(), cfg)
+    worker._episodes = {}
+    traj = asyncio.run(worker.run_episode(task_by_id["add_two_numbers"], "train", 1, "slow-1"))
+    assert traj.finish_reason == "aborted" and traj.grade_details["aborted"] == "timeout"
+    assert engine.aborted == ["slow-1-1"] and traj.reward == 0.0 and "tests" not in traj.grade_details
+    assert worker._episodes == {}

@@ -93,6 +93,40 @@ def test_update_weights_and_version(engine, tiny_path):
     assert again.output_ids == before.output_ids and again.output_logprobs == before.output_logprobs
 
 
+def test_a_weight_update_mid_generation_continues_on_the_new_weights(engine, tiny_path):
+    """A partial rollout: the running batch parks between two decode steps, the weights change, and it goes on
+    with them. No token is lost, each says which version sampled it, and its logprob is the one it was sampled
+    with: the old weights' for the tokens before the update (equal to an independent forward of the old model)."""
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    other = load_model("tiny-random:1")
+    prompt, sp = [3, 4, 5], SamplingParams(temperature=1.0, max_new_tokens=300, seed=11, ignore_eos=True)
+
+    async def go():
+        steps, parked = engine.stats["decode_steps"], engine.stats["parked_batches"]
+        request = asyncio.create_task(engine.generate(prompt, sp))
+        while engine.stats["decode_steps"] < steps + 20:
+            await asyncio.sleep(0.005)
+        await engine.pause()
+        await engine.update_weights(dict(other.named_parameters()), version=5)
+        await engine.resume()
+        return await request, engine.stats["parked_batches"] - parked
+
+    try:
+        result, parked = run(go())
+    finally:
+        engine.load_weights(original, version=0)
+    versions = result.versions()
+    assert parked == 1 and len(result.output_ids) == 300 and versions == sorted(versions)
+    before = versions.count(0)
+    assert 20 <= before < 300 and set(versions) == {0, 5}
+    ids = torch.tensor([prompt + result.output_ids])
+    with torch.no_grad():  # logprobs aligned with the tokens: position t holds log π(ids[t] | ids[:t])
+        old = policy_logprobs(engine.model, ids, torch.ones_like(ids), 1.0)[0][0, len(prompt):]
+    sampled = torch.tensor(result.output_logprobs)
+    assert torch.allclose(sampled[:before], old[:before], atol=1e-4)
+    assert not torch.allclose(sampled[before:], old[before:], atol=1e-2)  # the new weights'
+
+
 def test_abort_and_health(engine):
     async def go():
         await engine.pause()

@@ -205,14 +205,15 @@ def test_an_abort_that_comes_before_the_request_reaches_a_server(fleet):
     assert later.finish_reason == "length" and len(later.output_ids) == 2
 
 
-def test_requests_cut_by_a_weight_update_are_rerun_on_the_new_weights(fleet, tiny_path, tmp_path):
-    """pause_mode=abort: in-flight requests end with 'abort' on the server; the engine runs them again once
-    the new version is served. Every request returns once, complete, from the new weights."""
+def test_requests_cut_by_a_weight_update_continue_on_the_new_weights(fleet, tiny_path, tmp_path):
+    """pause_mode=abort: in-flight requests end with 'abort' on the server, with what they had sampled; the engine
+    continues each from there once the new version is served (a partial rollout). Every request returns once,
+    complete, each token stamped with the version that sampled it."""
     from rollout.sglang.weights import sync_from_disk
 
     async def go(engine):
-        requests = [asyncio.create_task(engine.generate([1, 2, 3, i], SamplingParams(max_new_tokens=400, seed=i)))
-                    for i in range(4)]
+        sampling = [SamplingParams(max_new_tokens=400, seed=i, ignore_eos=True) for i in range(4)]
+        requests = [asyncio.create_task(engine.generate([1, 2, 3, i], sampling[i])) for i in range(4)]
         await asyncio.sleep(1.0)
         await sync_from_disk(fleet.urls, tiny_path, 21, pause_mode="abort")
         engine.set_weight_version(21)
@@ -222,6 +223,9 @@ def test_requests_cut_by_a_weight_update_are_rerun_on_the_new_weights(fleet, tin
     assert aborted >= 1
     assert all(r.finish_reason == "length" and len(r.output_ids) == 400 for r in results)
     assert all(r.meta["weight_version"] == 21 for r in results)
+    versions = [r.versions() for r in results]
+    assert all(v == sorted(v) and set(v) <= {0, 21} and v[-1] == 21 for v in versions)
+    assert any(v[0] == 0 for v in versions), "no request kept the tokens it had before the update"
 
 
 @pytest.fixture

@@ -1,0 +1,258 @@
+"""The rollout manager: episodes in flight on every engine at all times, a buffer of finished trajectories, and a
+bound on how stale the tokens of a trained batch may be.
+
+    tasks ─► tickets ─► admitted? ─► rollout workers (≤ engine.max_concurrent_episodes each) ─► buffer ─► batch
+                ▲                                                                                 │
+                └──────────────── a trajectory too stale to train on: its task runs again ◄────────┘
+
+A background thread keeps the workers busy while the driver trains; `next_batch` hands the driver the first
+`trainer.episodes_per_step` trajectories to finish. `trainer.max_staleness = K` bounds, in weight versions, how
+far any trained token may lag the policy being trained:
+
+* **Admission** (as in AReaL): the episodes are numbered in submission order and grouped in batches of B; batch g
+  may start only once step g − K − 1 has ended (its weights are out). K = 0 is the synchronous loop exactly:
+  step s's episodes start after step s − 1's update, with the same tasks, seeds and workers as ever, and nothing
+  runs while the trainer trains.
+* **At the batch**: a trajectory whose oldest action token is more than K versions behind the trained policy is
+  dropped and its task runs again on the current weights (`async/dropped_stale`); an episode in flight that has
+  become certain to be too stale is aborted and re-run the same way (`async/aborted_stale`). Nothing is lost:
+  every task drawn is trained on once, from one complete attempt.
+
+Partial rollouts: weight updates reach the engines while episodes run; their generations pause and continue on
+the new weights, each token keeping the version that sampled it (rollout/local_engine.py, rollout/sglang/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter, deque
+
+import ray
+
+from environments import Task
+from rl.data import TaskSampler
+from rollout.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Ticket:
+    """One episode to run: its place in the submission order decides its batch (admission) and its seed."""
+
+    index: int
+    task: Task
+    seed: int
+    attempt: int = 0
+    worker: int = -1
+    version: int = 0  # the weight version served when it was submitted
+    submitted_at: float = 0.0
+
+    def rollout_id(self, tag: str) -> str:
+        return f"{tag}-{self.index}" + (f"r{self.attempt}" if self.attempt else "")
+
+
+def episode_seed(base: int, index: int, batch_size: int) -> int:
+    """The seed of episode `index`: batch g = index // B gets the synchronous loop's seed for step g."""
+    return (base + index // batch_size) * 1_000_003 + index % batch_size
+
+
+class RolloutManager:
+    def __init__(self, workers: list, sampler: TaskSampler, batch_size: int, max_staleness: int,
+                 max_concurrent: int, seed: int, tag: str = "ep", start_step: int = 0, version: int = 0):
+        self.workers, self.sampler = list(workers), sampler
+        self.batch_size, self.max_staleness, self.max_concurrent = batch_size, max_staleness, max_concurrent
+        self.seed, self.tag = seed, tag
+        self.version = version  # the policy's weight version: what the engines serve
+        self._released = start_step  # steps ended: batch g is admitted once g <= released + K
+        self._next_index = start_step * batch_size
+        self._requeued: deque[Ticket] = deque()  # run before new tasks: re-runs and a checkpoint's unfinished ones
+        self._inflight: dict[ray.ObjectRef, Ticket] = {}
+        self._ready: list[tuple[Ticket, Trajectory]] = []  # finished, in completion order
+        self._load = [0] * len(self.workers)
+        self._dead: set[int] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._failure: BaseException | None = None
+        self.counts: Counter = Counter()  # dropped_stale, aborted_stale, worker_failures (reset per batch)
+
+    # ---- the driver's side ----------------------------------------------------------------------------
+    def start(self) -> "RolloutManager":
+        self._thread = threading.Thread(target=self._run, name="rollout-manager", daemon=True)
+        self._thread.start()
+        return self
+
+    def next_batch(self) -> tuple[list[Trajectory], dict]:
+        """The first `batch_size` trajectories to finish that the staleness bound admits (in submission order),
+        and the manager's metrics since the last batch. Blocks until they are there."""
+        started = time.perf_counter()
+        with self._cond:
+            while True:
+                self._drop_stale()
+                if len(self._ready) >= self.batch_size:
+                    break
+                if self._failure is not None:
+                    raise RuntimeError("the rollout manager stopped") from self._failure
+                self._cond.wait(0.5)
+            taken, self._ready = self._ready[:self.batch_size], self._ready[self.batch_size:]
+            counts, self.counts = self.counts, Counter()
+            metrics = {"async/trainer_idle_s": time.perf_counter() - started, "async/buffer_size": len(self._ready),
+                       "async/inflight": len(self._inflight), "async/dropped_stale": counts["dropped_stale"],
+                       "async/aborted_stale": counts["aborted_stale"],
+                       "async/worker_failures": counts["worker_failures"]}
+        taken.sort(key=lambda pair: pair[0].index)
+        trajs = [t for _, t in taken]
+        metrics.update(staleness_metrics(trajs, self.version))
+        return trajs, metrics
+
+    def step_done(self, version: int) -> None:
+        """A step ended and the engines serve `version`: admit the next batch; abort what became too stale."""
+        with self._cond:
+            self._released += 1
+            self.version = version
+            doomed = [(ref, t) for ref, t in self._inflight.items() if version - t.version > self.max_staleness]
+            self._cond.notify_all()
+        by_worker: dict[int, list[str]] = {}
+        for _, t in doomed:
+            by_worker.setdefault(t.worker, []).append(t.rollout_id(self.tag))
+        for w, ids in by_worker.items():  # their results come back as "aborted" and their tasks run again
+            self.workers[w].abort_episodes.remote(ids, "stale")
+
+    def stop(self) -> None:
+        """Abort what is in flight and end the thread (the unfinished tickets stay in `state_dict`)."""
+        with self._cond:
+            self._stopping = True
+            inflight = list(self._inflight.values())
+            self._cond.notify_all()
+        for w in {t.worker for t in inflight}:
+            self.workers[w].abort_episodes.remote([t.rollout_id(self.tag) for t in inflight if t.worker == w],
+                                                  "stopped")
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to go on without losing or repeating a task: the sampler's position and the
+        tickets drawn but not yet trained on (in flight or in the buffer), which a resumed run runs again first."""
+        with self._cond:
+            pending = sorted([t for t in self._inflight.values()] + [t for t, _ in self._ready] + list(self._requeued),
+                             key=lambda t: t.index)
+            return {"sampler": self.sampler.state_dict(), "next_index": self._next_index,
+                    "pending": [{"index": t.index, "task": t.task.id, "seed": t.seed} for t in pending]}
+
+    def load_state_dict(self, state: dict, tasks: list[Task]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        if "next_index" not in state:  # a checkpoint of the synchronous loop before the manager: nothing pending
+            return
+        by_id = {t.id: t for t in tasks}
+        self._next_index = state["next_index"]
+        self._requeued = deque(Ticket(p["index"], by_id[p["task"]], p["seed"], attempt=1) for p in state["pending"])
+
+    # ---- the thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        return
+                    self._submit_admitted()
+                    refs = list(self._inflight)
+                    if not refs:
+                        self._cond.wait(0.2)
+                        continue
+                done, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+                for ref in done:
+                    self._collect(ref)
+        except BaseException as exc:  # the driver sees it at its next next_batch
+            log.exception("rollout manager failed")
+            with self._cond:
+                self._failure = exc
+                self._cond.notify_all()
+
+    def _collect(self, ref) -> None:
+        try:
+            traj = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            traj = None
+            error = exc
+        except Exception as exc:  # the worker survived; the episode did not: an error trajectory, counted
+            traj, error = None, exc
+        with self._cond:
+            ticket = self._inflight.pop(ref)
+            self._load[ticket.worker] -= 1
+            if traj is None:
+                if isinstance(error, ray.exceptions.RayActorError):
+                    self._dead.add(ticket.worker)
+                    log.error("rollout worker %d died (%s); its episodes run elsewhere", ticket.worker, error)
+                    if len(self._dead) == len(self.workers):
+                        raise RuntimeError("every rollout worker died") from error
+                    self._requeued.appendleft(dataclasses.replace(ticket, attempt=ticket.attempt + 1))
+                    self.counts["worker_failures"] += 1
+                    return
+                traj = Trajectory(ticket.rollout_id(self.tag), ticket.task.id, [], finish_reason="error",
+                                  domain=ticket.task.domain, grade_details={"error": repr(error)})
+            if traj.grade_details.get("aborted") == "stale" or (traj.finish_reason == "aborted" and self._stopping):
+                self.counts["aborted_stale"] += traj.grade_details.get("aborted") == "stale"
+                self._requeued.append(dataclasses.replace(ticket, attempt=ticket.attempt + 1))
+            else:
+                self._ready.append((ticket, traj))
+            self._cond.notify_all()
+
+    def _drop_stale(self) -> None:
+        """Buffer entries with a token more than K versions behind the policy: dropped, their tasks re-run."""
+        keep = []
+        for ticket, traj in self._ready:
+            oldest = traj.oldest_version()
+            if oldest is not None and self.version - oldest > self.max_staleness:
+                self.counts["dropped_stale"] += 1
+                self._requeued.append(dataclasses.replace(ticket, attempt=ticket.attempt + 1))
+            else:
+                keep.append((ticket, traj))
+        self._ready = keep
+
+    def _admitted(self, index: int) -> bool:
+        return index // self.batch_size <= self._released + self.max_staleness
+
+    def _submit_admitted(self) -> None:
+        """Start every admitted episode that a worker has room for (the caller holds the lock)."""
+        live = [w for w in range(len(self.workers)) if w not in self._dead]
+        while True:
+            if self._requeued:
+                ticket = self._requeued[0]
+            elif self._admitted(self._next_index):
+                index = self._next_index
+                ticket = Ticket(index, self.sampler.next(1)[0], episode_seed(self.seed, index, self.batch_size))
+                self._requeued.appendleft(ticket)
+                self._next_index += 1
+            else:
+                return
+            if self.max_staleness == 0:  # the synchronous loop's placement: round-robin within the batch
+                worker = live[(ticket.index % self.batch_size) % len(live)]
+                if self._load[worker] >= self.max_concurrent and any(self._load[w] < self.max_concurrent for w in live):
+                    worker = min(live, key=lambda w: self._load[w])
+            else:
+                worker = min(live, key=lambda w: self._load[w])
+            if self._load[worker] >= self.max_concurrent:
+                return
+            self._requeued.popleft()
+            ticket.worker, ticket.version, ticket.submitted_at = worker, self.version, time.perf_counter()
+            ref = self.workers[worker].run_episode.remote(ticket.task, "train", ticket.seed, ticket.rollout_id(self.tag))
+            self._inflight[ref] = ticket
+            self._load[worker] += 1
+
+
+def staleness_metrics(trajs: list[Trajectory], version: int) -> dict:
+    """How far the batch's action tokens lag the policy at `version`: mean, max, and tokens per lag."""
+    lags = Counter()
+    for t in trajs:
+        for s in t.segments:
+            for v in s.sampled_versions():
+                lags[version - v] += 1
+    tokens = sum(lags.values())
+    out = {"async/staleness_mean": sum(k * n for k, n in lags.items()) / tokens if tokens else 0.0,
+           "async/staleness_max": max(lags) if lags else 0}
+    out.update({f"async/tokens_staleness_{k}": n for k, n in sorted(lags.items())})
+    return out

@@ -1,0 +1,175 @@
+"""The rollout manager against rollout workers whose episodes take skewed, controllable times (real Ray actors;
+the episodes are fakes that stamp every token with the weight version the worker serves at that moment)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import ray
+
+from rl.data import TaskSampler
+from rl.rollout_manager import RolloutManager, episode_seed
+from rollout.types import Segment, Trajectory
+
+TOKENS = 6  # tokens per fake episode, one per tick
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class SkewedWorker:
+    """Episode i takes `ticks[i % len(ticks)]` ticks of `tick_s`; an index in `gated` (first attempt only)
+    waits, after its first token, until `release()` or an abort. Tokens carry the version at their tick."""
+
+    def __init__(self, ticks: list[int], gated: list[int], tick_s: float = 0.01):
+        self.ticks, self.gated, self.tick_s = ticks, set(gated), tick_s
+        self.version = 0
+        self.log: list[dict] = []
+        self.aborts: dict[str, str] = {}
+        self.released = False
+
+    async def run_episode(self, task, mode, seed, rollout_id):
+        index = int(rollout_id.split("-")[1].split("r")[0])
+        retry = "r" in rollout_id.split("-")[1]
+        self.log.append({"event": "start", "id": rollout_id, "index": index, "seed": seed, "task": task.id,
+                         "version": self.version})
+        versions = []
+        for tick in range(TOKENS):
+            if rollout_id in self.aborts:
+                break
+            versions.append(self.version)
+            if tick == 0 and index in self.gated and not retry:
+                while not self.released and rollout_id not in self.aborts:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(self.tick_s * self.ticks[index % len(self.ticks)] / TOKENS)
+        self.log.append({"event": "end", "id": rollout_id, "index": index})
+        n = len(versions)
+        segment = Segment(rollout_id, 0, [1] * (n + 1), [0] + [1] * n, [0.0] + [-0.5] * n, "final", [-1] + versions)
+        traj = Trajectory(rollout_id, task.id, [segment], reward=1.0, finish_reason="submitted")
+        if rollout_id in self.aborts:
+            traj.finish_reason, traj.grade_details = "aborted", {"aborted": self.aborts[rollout_id]}
+        return traj
+
+    async def abort_episodes(self, ids, reason):
+        for i in ids:
+            self.aborts[i] = reason
+        return len(ids)
+
+    def set_version(self, version):
+        self.version = version
+
+    def release(self):
+        self.released = True
+
+    def events(self):
+        return self.log
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def train_steps(manager, workers, steps, on_batch=None):
+    """The driver's loop without a model: take a batch, 'train' (a weight version more everywhere), release."""
+    batches = []
+    for step in range(steps):
+        trajs, metrics = manager.next_batch()
+        batches.append((trajs, metrics, manager.version))
+        if on_batch:
+            on_batch(step)
+        ray.get([w.set_version.remote(step + 1) for w in workers])
+        manager.step_done(step + 1)
+    return batches
+
+
+def test_k0_is_the_synchronous_loop(ray_session, shipped_tasks):
+    tasks = shipped_tasks.split("train")
+    workers = [SkewedWorker.remote([1, 9, 3], []) for _ in range(2)]
+    marks = []
+    manager = RolloutManager(workers, TaskSampler(tasks, 7), 3, 0, 8, seed=5).start()
+    batches = train_steps(manager, workers, 3, on_batch=lambda s: marks.append(
+        sum(len(ray.get(w.events.remote())) for w in workers)))
+    manager.stop()
+    reference = TaskSampler(tasks, 7)  # what the synchronous loop drew: sampler.next(B) each step, seed + step
+    for step, (trajs, metrics, version) in enumerate(batches):
+        assert [t.task_id for t in trajs] == [t.id for t in reference.next(3)]
+        assert metrics["async/staleness_max"] == 0 and metrics["async/dropped_stale"] == 0
+    events = [e for w in workers for e in ray.get(w.events.remote())]
+    starts = sorted((e for e in events if e["event"] == "start"), key=lambda e: e["index"])
+    assert [e["seed"] for e in starts] == [(5 + i // 3) * 1_000_003 + i % 3 for i in range(9)]
+    assert [e["seed"] for e in starts] == [episode_seed(5, i, 3) for i in range(9)]
+    for i, w in enumerate(workers):  # round-robin within each batch, as run_episodes placed them
+        assert {e["index"] % 3 % 2 for e in ray.get(w.events.remote()) if e["event"] == "start"} == {i}
+    # nothing ran while the trainer trained: every batch's episodes had all ended (and no other had started)
+    assert marks == [6, 12, 18]
+    assert all(e["version"] == e["index"] // 3 for e in starts)  # each batch started on the previous update
+
+
+def test_the_trainer_never_waits_for_the_slowest_episode(ray_session, shipped_tasks):
+    """Episode 1 never ends unless aborted: two steps train without it (K = 1); once it can no longer meet the
+    bound it is aborted and its task runs again, so nothing is lost."""
+    tasks = shipped_tasks.split("train")
+    workers = [SkewedWorker.remote([2, 3, 1, 5], [1]) for _ in range(2)]
+    manager = RolloutManager(workers, TaskSampler(tasks, 0), 4, 1, 8, seed=0).start()
+    batches = train_steps(manager, workers, 4)
+    trained = [t.rollout_id for trajs, _, _ in batches for t in trajs]
+    assert "ep-1" not in trained and "ep-1r1" in trained  # the straggler's task, re-run
+    assert sum(m["async/aborted_stale"] for _, m, _ in batches) == 1
+    for trajs, metrics, version in batches:
+        assert metrics["async/staleness_max"] <= 1
+        assert all(version - t.oldest_version() <= 1 for t in trajs)
+    state = manager.state_dict()
+    manager.stop()
+    ray.get([w.release.remote() for w in workers])
+    # every index drawn is trained once or pending for a resumed run; none twice
+    indices = Counter(int(r.split("-")[1].split("r")[0]) for r in trained)
+    assert max(indices.values()) == 1
+    assert not set(indices) & {p["index"] for p in state["pending"]}
+    assert set(indices) | {p["index"] for p in state["pending"]} == set(range(state["next_index"]))
+
+
+def test_staleness_bound_holds_with_partial_rollouts(ray_session, shipped_tasks):
+    """Skewed lengths, K = 1: episodes span weight updates (tokens of two versions) and the batches still never
+    hold a token more than one version behind; some are dropped or aborted to keep it so."""
+    tasks = shipped_tasks.split("train")
+    workers = [SkewedWorker.remote([1, 40, 2, 25, 1, 3], []) for _ in range(2)]
+    manager = RolloutManager(workers, TaskSampler(tasks, 1), 4, 1, 4, seed=0).start()
+    batches = train_steps(manager, workers, 6)
+    manager.stop()
+    mixed = 0
+    for trajs, metrics, version in batches:
+        assert len(trajs) == 4 and metrics["async/staleness_max"] <= 1
+        for t in trajs:
+            versions = set(t.segments[0].sampled_versions())
+            assert min(versions) >= version - 1 and len(t.segments[0].sampled_versions()) == TOKENS
+            mixed += len(versions) > 1
+    assert mixed > 0, "no episode continued across a weight update"
+
+
+def test_resume_reruns_the_pending_episodes_once(ray_session, shipped_tasks):
+    tasks = shipped_tasks.split("train")
+    workers = [SkewedWorker.remote([1, 6, 2], []) for _ in range(2)]
+    first = RolloutManager(workers, TaskSampler(tasks, 3), 3, 2, 8, seed=0).start()
+    before = train_steps(first, workers, 2)
+    state = first.state_dict()
+    first.stop()
+    assert state["pending"], "K = 2 should have had episodes in flight or buffered"
+    resumed = RolloutManager(workers, TaskSampler(tasks, 3), 3, 2, 8, seed=0, start_step=2, version=2)
+    resumed.load_state_dict(state, tasks)
+    resumed.start()
+    after = train_steps(resumed, workers, 3)
+    still_pending = {p["index"] for p in resumed.state_dict()["pending"]}
+    resumed.stop()
+    index = lambda r: int(r.split("-")[1].split("r")[0])  # noqa: E731
+    trained = [index(t.rollout_id) for batches in (before, after) for trajs, _, _ in batches for t in trajs]
+    assert len(trained) == len(set(trained)) == 15  # none twice
+    pending = {p["index"]: (p["task"], p["seed"]) for p in state["pending"]}
+    assert set(pending) <= set(trained[6:]) | still_pending  # the unfinished ones ran again (or still run)
+    assert not set(trained) & still_pending
+    for trajs, _, _ in after:
+        for t in trajs:
+            if index(t.rollout_id) in pending:
+                assert t.task_id == pending[index(t.rollout_id)][0]
