@@ -100,17 +100,26 @@ def rollout_worker_kwargs(cfg: Config) -> dict:
             "grade_timeout_s": cfg.env.grade_timeout_s}
 
 
-def run_episodes(workers: Workers, tasks: list[Task], mode: str, seed: int, desc: str) -> list[Trajectory]:
-    """Every task once, spread round-robin over the rollout workers; results in task order."""
-    refs = [workers.rollout[i % len(workers.rollout)].run_episode.remote(task, mode, seed * 1_000_003 + i)
-            for i, task in enumerate(tasks)]
-    index = {ref: i for i, ref in enumerate(refs)}
-    results: list[Trajectory | None] = [None] * len(refs)
-    pending = list(refs)
-    with tqdm(total=len(refs), desc=desc, unit="ep", leave=False) as bar:
-        while pending:
+def run_episodes(workers: Workers, tasks: list[Task], mode: str, seed: int, desc: str,
+                 per_worker: int = 0) -> list[Trajectory]:
+    """Every task once, spread round-robin over the rollout workers; results in task order. `per_worker` > 0:
+    at most that many in flight on a worker at a time, so that an evaluation beside the asynchronous loop leaves
+    the worker's other call slots to the loop's episodes and to the weight sync (calls beyond a Ray actor's
+    max_concurrency wait in line, control calls included)."""
+    n = len(workers.rollout)
+    results: list[Trajectory | None] = [None] * len(tasks)
+    index, load, pending, next_task = {}, [0] * n, [], 0
+    with tqdm(total=len(tasks), desc=desc, unit="ep", leave=False) as bar:
+        while next_task < len(tasks) or pending:
+            while next_task < len(tasks) and not (per_worker and load[next_task % n] >= per_worker):
+                worker = next_task % n
+                ref = workers.rollout[worker].run_episode.remote(tasks[next_task], mode, seed * 1_000_003 + next_task)
+                index[ref], load[worker] = (next_task, worker), load[worker] + 1
+                pending.append(ref)
+                next_task += 1
             done, pending = ray.wait(pending, num_returns=1)
-            results[index[done[0]]] = ray.get(done[0])
+            i, worker = index.pop(done[0])
+            results[i], load[worker] = ray.get(done[0]), load[worker] - 1
             bar.update(1)
     return results  # type: ignore[return-value]
 

@@ -15,8 +15,10 @@ far any trained token may lag the policy being trained:
   runs while the trainer trains.
 * **At the batch**: a trajectory whose oldest action token is more than K versions behind the trained policy is
   dropped and its task runs again on the current weights (`async/dropped_stale`); an episode in flight that has
-  become certain to be too stale is aborted and re-run the same way (`async/aborted_stale`). Nothing is lost:
-  every task drawn is trained on once, from one complete attempt.
+  become too stale is aborted and re-run the same way (`async/aborted_stale`; judged by the version served when
+  it was submitted, a lower bound of its oldest token's). Every task drawn is trained on once, from one complete
+  attempt, except a task whose episodes outlast the bound STALE_ATTEMPTS times: it is given up and counted
+  (`async/gave_up`), the bias toward shorter episodes that any staleness bound has, made visible.
 
 Partial rollouts: weight updates reach the engines while episodes run; their generations pause and continue on
 the new weights, each token keeping the version that sampled it (rollout/local_engine.py, rollout/sglang/).
@@ -37,6 +39,7 @@ from rl.data import TaskSampler
 from rollout.types import Trajectory
 
 log = logging.getLogger(__name__)
+STALE_ATTEMPTS = 3  # a task whose episodes outlast the bound this many times is given up (async/gave_up)
 
 
 @dataclasses.dataclass
@@ -47,6 +50,7 @@ class Ticket:
     task: Task
     seed: int
     attempt: int = 0
+    stale_attempts: int = 0  # attempts dropped or aborted for the staleness bound
     worker: int = -1
     version: int = 0  # the weight version served when it was submitted
     submitted_at: float = 0.0
@@ -102,12 +106,17 @@ class RolloutManager:
             counts, self.counts = self.counts, Counter()
             metrics = {"async/trainer_idle_s": time.perf_counter() - started, "async/buffer_size": len(self._ready),
                        "async/inflight": len(self._inflight), "async/dropped_stale": counts["dropped_stale"],
-                       "async/aborted_stale": counts["aborted_stale"],
+                       "async/aborted_stale": counts["aborted_stale"], "async/gave_up": counts["gave_up"],
                        "async/worker_failures": counts["worker_failures"]}
         taken.sort(key=lambda pair: pair[0].index)
         trajs = [t for _, t in taken]
         metrics.update(staleness_metrics(trajs, self.version))
         return trajs, metrics
+
+    def set_version(self, version: int) -> None:
+        """The engines serve `version` now (right after a sync: episodes submitted from here are on it)."""
+        with self._cond:
+            self.version = version
 
     def step_done(self, version: int) -> None:
         """A step ended and the engines serve `version`: admit the next batch; abort what became too stale."""
@@ -194,9 +203,9 @@ class RolloutManager:
                     return
                 traj = Trajectory(ticket.rollout_id(self.tag), ticket.task.id, [], finish_reason="error",
                                   domain=ticket.task.domain, grade_details={"error": repr(error)})
-            if traj.grade_details.get("aborted") == "stale" or (traj.finish_reason == "aborted" and self._stopping):
-                self.counts["aborted_stale"] += traj.grade_details.get("aborted") == "stale"
-                self._requeued.append(dataclasses.replace(ticket, attempt=ticket.attempt + 1))
+            if traj.grade_details.get("aborted") == "stale":
+                self.counts["aborted_stale"] += 1
+                self._rerun_stale(ticket)
             else:
                 self._ready.append((ticket, traj))
             self._cond.notify_all()
@@ -208,10 +217,19 @@ class RolloutManager:
             oldest = traj.oldest_version()
             if oldest is not None and self.version - oldest > self.max_staleness:
                 self.counts["dropped_stale"] += 1
-                self._requeued.append(dataclasses.replace(ticket, attempt=ticket.attempt + 1))
+                self._rerun_stale(ticket)
             else:
                 keep.append((ticket, traj))
         self._ready = keep
+
+    def _rerun_stale(self, ticket: Ticket) -> None:
+        if ticket.stale_attempts + 1 >= STALE_ATTEMPTS:
+            self.counts["gave_up"] += 1
+            log.warning("task %s: %d attempts outlasted trainer.max_staleness=%d; given up", ticket.task.id,
+                        STALE_ATTEMPTS, self.max_staleness)
+            return
+        self._requeued.append(dataclasses.replace(ticket, attempt=ticket.attempt + 1,
+                                                  stale_attempts=ticket.stale_attempts + 1))
 
     def _admitted(self, index: int) -> bool:
         return index // self.batch_size <= self._released + self.max_staleness

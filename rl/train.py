@@ -32,6 +32,7 @@ from rl.rollout_manager import RolloutManager
 from rl.stats import trajectory_metrics
 
 log = logging.getLogger("rl.train")
+EVAL_SLOTS = 4  # a background evaluation's episodes at a time per rollout worker (cluster.spawn leaves 8 spare)
 
 
 def train_step(cfg: Config, w: Workers, rollouts: RolloutManager, step: int, audit) -> dict:
@@ -73,23 +74,25 @@ def train_step(cfg: Config, w: Workers, rollouts: RolloutManager, step: int, aud
     if step >= a.critic_warmup_steps:
         metrics.update(w.actor.train_step(samples, cfg.seed + step).result())
         metrics.update(w.sync.push(step + 1))
+        rollouts.set_version(w.weight_version)  # episodes starting from now on are on the new weights
     metrics.update(critic_update.result())
     metrics["perf/train_s"] = timer.lap()
     metrics["perf/train_tokens"] = sum(len(s["token_ids"]) for s in samples)
     return metrics
 
 
-def evaluate(w: Workers, tasks, step: int, samples: int = 1, prefix: str = "eval") -> dict:
+def evaluate(w: Workers, tasks, step: int, samples: int = 1, prefix: str = "eval", per_worker: int = 0) -> dict:
     """`samples` episodes per task at the evaluation temperature: pass@1 is their mean (one greedy episode per
-    task when samples = 1)."""
+    task when samples = 1). `per_worker`: at most that many at a time on a worker (0: all at once)."""
     started = time.perf_counter()
-    trajs = run_episodes(w, [t for t in tasks for _ in range(samples)], "eval", 10_000 + step, prefix)
+    trajs = run_episodes(w, [t for t in tasks for _ in range(samples)], "eval", 10_000 + step, prefix, per_worker)
     return {**trajectory_metrics(trajs, prefix), f"perf/{prefix}_s": time.perf_counter() - started}
 
 
-def evaluate_all(cfg: Config, w: Workers, eval_tasks, extra_tasks, step: int, with_extra: bool) -> dict:
+def evaluate_all(cfg: Config, w: Workers, eval_tasks, extra_tasks, step: int, with_extra: bool,
+                 per_worker: int = 0) -> dict:
     """The held-out split (trainer.eval_samples a task) and, at the first and last step, env.extra_eval_tasks."""
-    m = evaluate(w, eval_tasks, step, cfg.trainer.eval_samples) if eval_tasks else {}
+    m = evaluate(w, eval_tasks, step, cfg.trainer.eval_samples, per_worker=per_worker) if eval_tasks else {}
     if with_extra and extra_tasks:
         m.update(evaluate(w, extra_tasks, step, 1, "eval_extra"))
     m["perf/eval_s"] = m.get("perf/eval_s", 0.0) + m.get("perf/eval_extra_s", 0.0)
@@ -155,8 +158,8 @@ def train(cfg: Config) -> dict:
                     metrics.update(evaluate_all(cfg, w, eval_tasks, extra_tasks, step + 1, with_extra=last))
                     clock.saw_evaluation(metrics["perf/eval_s"])
                 else:  # beside training: logged with the step it finishes in, under the version it started on
-                    background.start(lambda s=step: evaluate_all(cfg, w, eval_tasks, extra_tasks, s + 1, False),
-                                     w.weight_version)
+                    background.start(lambda s=step: evaluate_all(cfg, w, eval_tasks, extra_tasks, s + 1, False,
+                                                                 per_worker=EVAL_SLOTS), w.weight_version)
             out_of_time = clock.stops_after(step, timer.total(), last)
             if last or out_of_time or (t.save_every and (step + 1) % t.save_every == 0):
                 timer.lap()
@@ -172,7 +175,7 @@ def train(cfg: Config) -> dict:
             if clock.ended_early(step, last, out_of_time, final):
                 break
     rollouts.stop()
-    background.results(wait=True)
+    final.update(background.results(wait=True))  # an evaluation still running when the loop ended
     logger.close()
     if w.fleet is not None:
         w.fleet.stop()

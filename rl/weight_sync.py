@@ -88,9 +88,8 @@ class SGLangSync(WeightSync):
     def push(self, version: int, urls: list[str] | None = None, fresh: bool = False) -> dict:
         """To every server (or `urls`, e.g. the restarted ones; `fresh`: a new process group if there is one)."""
         urls = list(self.fleet.urls if urls is None else urls)
-        with self.fleet.sync_lock:
-            stats = self.send(urls, version, fresh)
-        return self._stamped(version, stats)
+        with self.fleet.sync_lock:  # the version stamp too: a restart's re-sync must not see a half-done push
+            return self._stamped(version, self.send(urls, version, fresh))
 
     def _stamped(self, version: int, stats: dict) -> dict:
         w = self.workers

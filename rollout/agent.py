@@ -186,7 +186,8 @@ class AgentEpisode:
             self.ledger.append_context(self.rt.encode(self.rt.chat.render(self.history, add_generation_prompt=False)))
             self.traj.finish_reason = await self._loop(sandbox)
             self._close_segment(self.ledger, "final")
-            if self.abort_reason:
+            if self.abort_reason:  # even if the loop got as far as submitting: ungraded, so never trained on
+                self.traj.finish_reason = "aborted"
                 self.traj.grade_details["aborted"] = self.abort_reason
             elif self.traj.finish_reason != "aborted":
                 files = await asyncio.to_thread(collect_files, (await sandbox.get()).workspace)

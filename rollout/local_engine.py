@@ -219,6 +219,8 @@ class LocalEngine:
                     break
             time.sleep(self.gather_window_s)  # let concurrent episodes join this batch
             with self._cond:
+                if self._paused:  # paused during the window: no forward until resume()
+                    continue
                 batch = [self._queue.popleft() for _ in range(min(self.max_batch_size, len(self._queue)))]
             if not batch:
                 continue

@@ -67,20 +67,18 @@ class RolloutWorker:
         episode = AgentEpisode(self.runtime, task, self.sampling(mode, seed), rollout_id)
         self._episodes[episode.rollout_id] = episode
         running = asyncio.ensure_future(episode.run())
-        try:
-            timeout = self.runtime.config.episode_timeout_s or None
-            done, _ = await asyncio.wait({running}, timeout=timeout)
-            if not done:
-                await episode.abort("timeout")
-                done, _ = await asyncio.wait({running}, timeout=ABORT_GRACE_S)
-            if done:
-                return running.result()
-            traj = copy.deepcopy(episode.traj)
-            traj.finish_reason = "aborted"
-            traj.grade_details["aborted"] = episode.abort_reason
-            return traj
-        finally:
-            self._episodes.pop(episode.rollout_id, None)
+        running.add_done_callback(lambda _: self._episodes.pop(episode.rollout_id, None))
+        timeout = self.runtime.config.episode_timeout_s or None
+        done, _ = await asyncio.wait({running}, timeout=timeout)
+        if not done:
+            await episode.abort("timeout")
+            done, _ = await asyncio.wait({running}, timeout=ABORT_GRACE_S)
+        if done:
+            return running.result()
+        traj = copy.deepcopy(episode.traj)
+        traj.finish_reason = "aborted"
+        traj.grade_details["aborted"] = episode.abort_reason
+        return traj
 
     async def abort_episodes(self, rollout_ids: list[str], reason: str) -> int:
         """Abort these running episodes (unknown ids are ignored); returns how many were running."""

@@ -114,7 +114,7 @@ class SGLangEngine:
         try:
             attempt = 0
             while attempt <= self.max_retries:
-                if attempt:
+                if attempt and not done_ids:
                     self.stats.retries += 1
                 payload = self._payload(input_ids + done_ids, sampling, len(done_ids), rid)
                 sent_at_version = self.weight_version
@@ -145,12 +145,12 @@ class SGLangEngine:
                     # Paused for a weight update: keep what it sampled, continue on the new weights. A partial
                     # rollout is not a failure; an abort that brought nothing new (a server giving up) is.
                     self.stats.aborted_by_server += 1
-                    if result.output_ids:
+                    moved = await self._wait_for_new_weights(server, served)
+                    if moved and result.output_ids:
                         self.stats.continued += 1
-                    else:
+                    else:  # nothing new, or no new weights came: the server gave up on it, a failed attempt
                         errors.append(f"aborted by {server.url}: {result.meta.get('abort_message')}")
                         attempt += 1
-                    await self._wait_for_new_weights(server, served)
                     if len(done_ids) < sampling.max_new_tokens:
                         continue
                     result.finish_reason = "length"
@@ -173,7 +173,8 @@ class SGLangEngine:
         """The request for `prompt`; `continued` > 0: it resumes a partial rollout that already sampled that many
         tokens (the rest of the budget, and a seed of its own so the continuation does not replay the start)."""
         if continued:
-            seed = None if sampling.seed is None else sampling.seed + 7_919 * continued
+            # not seed + k·7919: the agent seeds its k-th next call so (rollout/agent.py)
+            seed = None if sampling.seed is None else (sampling.seed * 1_000_003 + continued) % 2**62
             sampling = sampling.replace(max_new_tokens=sampling.max_new_tokens - continued, seed=seed)
         # Replay data come from the last attempt: its prompt holds the earlier attempts' tokens (their routing
         # is then the prefill's, on the new weights).
@@ -294,18 +295,20 @@ class SGLangEngine:
         self.stats.server_failures += 1
         server.up, server.failures, server.checked_at = False, server.failures + 1, time.monotonic()
 
-    async def _wait_for_new_weights(self, server: _Server, aborted_at: int) -> None:
-        """Until the server (or the trainer, through `set_weight_version`) moved past `aborted_at`."""
+    async def _wait_for_new_weights(self, server: _Server, aborted_at: int) -> bool:
+        """Until the server (or the trainer, through `set_weight_version`) moved past `aborted_at`; whether it
+        did (False: the server is down, or no new version came within abort_wait_s)."""
         deadline = time.monotonic() + self.abort_wait_s
         while time.monotonic() < deadline:
             if self.weight_version > aborted_at:
-                return
+                return True
             try:
                 if await server.client.weight_version() > aborted_at:
-                    return
+                    return True
             except SGLangError:
-                return  # down: the retry goes elsewhere
+                return False  # down: the retry goes elsewhere
             await asyncio.sleep(0.2)
+        return False
 
     async def _each(self, call) -> None:
         servers = await self._servers_map()

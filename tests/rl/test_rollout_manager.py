@@ -21,8 +21,8 @@ class SkewedWorker:
     """Episode i takes `ticks[i % len(ticks)]` ticks of `tick_s`; an index in `gated` (first attempt only)
     waits, after its first token, until `release()` or an abort. Tokens carry the version at their tick."""
 
-    def __init__(self, ticks: list[int], gated: list[int], tick_s: float = 0.01):
-        self.ticks, self.gated, self.tick_s = ticks, set(gated), tick_s
+    def __init__(self, ticks: list[int], gated: list[int], tick_s: float = 0.01, gate_retries: bool = False):
+        self.ticks, self.gated, self.tick_s, self.gate_retries = ticks, set(gated), tick_s, gate_retries
         self.version = 0
         self.log: list[dict] = []
         self.aborts: dict[str, str] = {}
@@ -38,7 +38,7 @@ class SkewedWorker:
             if rollout_id in self.aborts:
                 break
             versions.append(self.version)
-            if tick == 0 and index in self.gated and not retry:
+            if tick == 0 and index in self.gated and (self.gate_retries or not retry):
                 while not self.released and rollout_id not in self.aborts:
                     await asyncio.sleep(0.01)
             await asyncio.sleep(self.tick_s * self.ticks[index % len(self.ticks)] / TOKENS)
@@ -173,3 +173,18 @@ def test_resume_reruns_the_pending_episodes_once(ray_session, shipped_tasks):
         for t in trajs:
             if index(t.rollout_id) in pending:
                 assert t.task_id == pending[index(t.rollout_id)][0]
+
+
+def test_a_task_that_always_outlasts_the_bound_is_given_up_and_counted(ray_session, shipped_tasks):
+    from rl.rollout_manager import STALE_ATTEMPTS
+
+    tasks = shipped_tasks.split("train")
+    workers = [SkewedWorker.remote([1], [2], gate_retries=True)]
+    manager = RolloutManager(workers, TaskSampler(tasks, 0), 2, 1, 8, seed=0).start()
+    batches = train_steps(manager, workers, 2 * STALE_ATTEMPTS + 2)
+    manager.stop()
+    ray.get([w.release.remote() for w in workers])
+    assert sum(m["async/aborted_stale"] for _, m, _ in batches) == STALE_ATTEMPTS
+    assert sum(m["async/gave_up"] for _, m, _ in batches) == 1
+    trained = [t.rollout_id for trajs, _, _ in batches for t in trajs]
+    assert not [r for r in trained if r.startswith("ep-2")]  # none of its attempts was trained on
