@@ -258,6 +258,48 @@ def test_abort_by_request_id(served):
     REPORT["abort"] = {"tokens_before_abort": len(result.output_ids)}
 
 
+def test_a_sync_mid_request_continues_on_the_new_weights(served):
+    """A partial rollout on the real server: requests cut by a weight update (pause_mode=abort) come back with the
+    tokens they had, and SGLangEngine continues them on the new weights. Every token is kept, stamped with the
+    version that sampled it, and its logprob is that version's: equal (to the bf16/fp32 tolerance) to our model's
+    with the old weights before the cut and the new weights after it."""
+    from rollout.sglang.engine import SGLangEngine
+    from rollout.sglang.weights import sync_from_disk
+    from rollout.types import SamplingParams
+
+    server, folders, _ = served
+    asyncio.run(sync_from_disk([server.url], str(folders[0]), 6))
+    prompts = _prompts()[:2]
+
+    async def go():
+        engine = SGLangEngine([server.url], weight_version=6)
+        try:
+            await engine.generate(prompts[0], SamplingParams(max_new_tokens=2))  # probed: the next ones run at once
+            tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_new_tokens=1500, ignore_eos=True,
+                                                                           seed=i), request_id=f"cut-{i}"))
+                     for i, p in enumerate(prompts)]
+            await asyncio.sleep(1.0)
+            await sync_from_disk([server.url], str(folders[1]), 7, pause_mode="abort")
+            engine.set_weight_version(7)
+            return await asyncio.gather(*tasks), engine.stats.continued
+        finally:
+            await engine.close()
+
+    results, continued = asyncio.run(go())
+    REPORT["partial_rollout"] = {"continued": continued, "tokens_before": [r.versions().count(6) for r in results]}
+    assert continued >= 1
+    for prompt, r in zip(prompts, results):
+        versions = r.versions()
+        assert len(r.output_ids) == 1500 and versions == sorted(versions) and set(versions) <= {6, 7}
+        cut = versions.count(6)
+        ids = prompt + r.output_ids
+        sampled = torch.tensor(r.output_logprobs)
+        for folder, span in ((folders[0], slice(0, cut)), (folders[1], slice(cut, None))):
+            ours = _our_logprobs(folder, ids)[len(prompt) - 1:][span]
+            if len(ours):
+                assert float((ours - sampled[span]).abs().mean()) < MEAN_TOL, (folder, cut)
+
+
 def test_an_sglang_teacher_scores_like_our_model(tmp_path):
     """opd.teacher.TeacherWorker(engine="sglang") on a real server of its own: the prefill-only request
     (`max_new_tokens: 0`, `logprob_start_len: 0`) returns one input logprob per token, equal to our model's
