@@ -175,13 +175,16 @@ class ActorWorker(DeepSpeedWorker):
                     add("kl_ref", masked_sum(kl_estimate(logp.detach(), t["ref_logprobs"], "k3"), mask))
                 for k, v in {**stats, **corr}.items():
                     add(k, v)
-                if "staleness" in t:
+                if "staleness" in t:  # per lag: tokens, |π_old − μ| and masked tokens, one host sync for all
                     lag = t["staleness"].clamp(max=LAG_LEVELS - 1)
-                    for k in range(LAG_LEVELS):
-                        at = mask * (lag == k).float()
-                        add(f"lag{k}_tokens", at.sum())
-                        add(f"lag{k}_abs_diff", masked_sum((old - t["rollout_logprobs"]).abs(), at))
-                        add(f"lag{k}_masked", masked_sum(1.0 - keep, at))
+                    at = mask.unsqueeze(0) * (lag.unsqueeze(0) == torch.arange(LAG_LEVELS, device=lag.device)
+                                              .view(-1, *[1] * lag.dim())).float()  # [levels, *mask.shape]
+                    diff, masked = (old - t["rollout_logprobs"]).abs().detach(), 1.0 - keep
+                    per_lag = torch.stack([at.flatten(1).sum(1), (at * diff).flatten(1).sum(1),
+                                           (at * masked).flatten(1).sum(1)], 1)
+                    for k, row in enumerate(per_lag.tolist()):
+                        for stat, value in zip(("tokens", "abs_diff", "masked"), row):
+                            add(f"lag{k}_{stat}", value)
                 return loss
             return compute
 

@@ -80,7 +80,7 @@ class SGLangSync(WeightSync):
         self.fleet, self.folder = fleet, folder
         args = fleet.cfg.args
         self.tp = int(args.get("tp", args.get("tp-size", args.get("tp_size", 1))) or 1)
-        self.served_dtype = served_dtype(fleet)
+        self.served_dtype = served_dtype(fleet) if verify else None  # only the read-back check needs it
 
     def send(self, urls: list[str], version: int, fresh: bool) -> dict:
         raise NotImplementedError
