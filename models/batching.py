@@ -27,8 +27,15 @@ from functools import cached_property
 
 import torch
 
-# Fields holding token ids; every other per-token field travels as float32.
-_ID_FIELDS = ("token_ids",)
+# Integer per-token fields and their dtypes; every other per-token field travels as float32. `routed_experts`
+# ([tokens, layers, k] expert ids the rollout engine chose, −1 where it ran no position: the model's own routing)
+# keeps its trailing axes; the other fields are 1-D.
+_INT_FIELDS = {"token_ids": torch.long, "routed_experts": torch.int16}
+_FILL = {"routed_experts": -1}  # the value of positions a field does not cover (padding, a row's tail)
+
+
+def field_dtype(name: str) -> torch.dtype:
+    return _INT_FIELDS.get(name, torch.float32)
 
 
 @dataclass
@@ -44,11 +51,12 @@ class TokenBatch:
         lengths = [len(s["token_ids"]) for s in samples]
         fields = {}
         for name in ("token_ids", *names):
-            dtype = torch.long if name in _ID_FIELDS else torch.float32
-            parts = [torch.as_tensor(s[name], dtype=dtype).reshape(-1) for s in samples]
+            dtype = field_dtype(name)
+            parts = [torch.as_tensor(s[name], dtype=dtype) for s in samples]
+            parts = [p if p.dim() > 1 else p.reshape(-1) for p in parts]
             for p, n in zip(parts, lengths):
-                if p.numel() != n:
-                    raise ValueError(f"sample field {name!r} has {p.numel()} values for {n} tokens")
+                if p.shape[0] != n:
+                    raise ValueError(f"sample field {name!r} has {p.shape[0]} rows for {n} tokens")
             fields[name] = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
         return cls(lengths, fields)
 
@@ -116,7 +124,8 @@ class MicroBatch:
         extra = width - self.tensors["input_ids"].shape[1]
         if extra <= 0:
             return self
-        tensors = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in self.tensors.items()}
+        tensors = {k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, extra), value=_FILL.get(k, 0))
+                   for k, v in self.tensors.items()}
         if self.packed:
             tensors["position_ids"][:, -extra:] = torch.arange(extra, device=tensors["position_ids"].device)
         return MicroBatch(self.indices, self.lengths, tensors, self.packed, self.starts)
@@ -129,9 +138,10 @@ class MicroBatch:
 
 def padding_micro_batch(fields: tuple[str, ...] = (), device: str | torch.device = "cpu",
                         packed: bool = False) -> MicroBatch:
-    """One row of two tokens, every per-token field 0; its loss is multiplied by 0 (gradients of 0 everywhere)."""
+    """One row of two tokens, every per-token field 0; its loss is multiplied by 0 (gradients of 0 everywhere).
+    Replay fields are left out: the model routes the padding row itself."""
     tensors = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
-               **{name: torch.zeros(1, 2) for name in fields}}
+               **{name: torch.zeros(1, 2) for name in fields if name not in _FILL}}
     if packed:
         tensors["position_ids"] = torch.arange(2).unsqueeze(0)
     return MicroBatch([], [], {k: v.to(device) for k, v in tensors.items()}, packed)
@@ -207,7 +217,8 @@ def make_micro_batches(samples, fields: tuple[str, ...] = (), max_tokens: int = 
         rows = len(rows_of)
         ids = torch.zeros(rows, width, dtype=torch.long)
         attn = torch.zeros(rows, width, dtype=torch.long)
-        tensors = {name: torch.zeros(rows, width, dtype=torch.float32) for name in fields}
+        tensors = {name: torch.full((rows, width, *batch.fields[name].shape[1:]), _FILL.get(name, 0),
+                                    dtype=field_dtype(name)) for name in fields}
         positions = torch.zeros(rows, width, dtype=torch.long) if packed else None
         indices, sizes, starts = [], [], []
         for r, row in enumerate(rows_of):

@@ -17,6 +17,7 @@ from pathlib import Path
 DEFAULT_POLICY = "smollm2-135m-instruct"
 TINY = "tiny-random"
 GLM52_TINY = "glm52-tiny"  # a tiny random GLM-5.2 (models/glm5/tiny.py)
+GLM52_SMALL = "glm52-small"  # the smallest random GLM-5.2 SGLang's kernels serve (models/glm5/tiny.py)
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -117,10 +118,15 @@ def resolve_model_path(name_or_path: str) -> Path:
         from models.glm5.tiny import tiny_glm5_dir
 
         return tiny_glm5_dir(name_or_path)
+    if name_or_path == GLM52_SMALL or name_or_path.startswith(GLM52_SMALL + ":"):
+        from models.glm5.tiny import small_glm5_dir
+
+        return small_glm5_dir(name_or_path)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"model {name_or_path!r}: not a built-in name ({DEFAULT_POLICY!r}, {TINY!r}, {GLM52_TINY!r}) and not "
+            f"model {name_or_path!r}: not a built-in name ({DEFAULT_POLICY!r}, {TINY!r}, {GLM52_TINY!r}, "
+            f"{GLM52_SMALL!r}) and not "
             "a folder with config.json (HF format)"
         )
     return path

@@ -31,6 +31,14 @@ def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     return logp, entropy
 
 
+def replay_kwargs(routed_experts: torch.Tensor | None) -> dict:
+    """The model's replay argument for `routed_experts` [B, T, layers, k] (the rollout engine's expert ids, −1
+    where it ran no position): {layer index: [B, T, k]}; the model reads its MoE layers' and ignores the rest."""
+    if routed_experts is None:
+        return {}
+    return {"routed_experts": {i: routed_experts[:, :, i] for i in range(routed_experts.shape[2])}}
+
+
 def _mask_and_positions(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
     """Padded rows: the mask, and positions counted over real tokens. Packed rows: their positions, no mask."""
     if position_ids is not None:
@@ -47,6 +55,7 @@ def policy_logprobs(
     with_entropy: bool = False,
     only: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) for every position of a right-padded batch → ([B, T], entropy [B, T]).
 
@@ -56,11 +65,13 @@ def policy_logprobs(
     `position_ids` (a packed row, models/batching.py): the samples' own positions; the model then gets no
     attention mask (the position resets delimit the samples) and `attention_mask` only says which positions
     are real tokens.
+    `routed_experts` [B, T, layers, k] (a MoE policy): the experts the rollout engine chose, replayed so that the
+    trainer's forward is the engine's (`replay_kwargs`).
     """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     head = model.get_output_embeddings()
-    hidden = backbone(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids),
-                      use_cache=False).last_hidden_state[:, :-1]
+    hidden = backbone(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids), use_cache=False,
+                      **replay_kwargs(routed_experts)).last_hidden_state[:, :-1]
     targets = input_ids[:, 1:]
     inv_t = 1.0 / max(temperature, 1e-6)
     select = (only[:, 1:] > 0) if only is not None else attention_mask[:, 1:] > 0

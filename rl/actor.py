@@ -21,7 +21,7 @@ LAG_LEVELS = 4
 _LAGGED = tuple(f"lag{k}_{stat}" for k in range(LAG_LEVELS) for stat in ("tokens", "abs_diff", "masked"))
 # The statistics train_step sums over micro-batches and ranks (the same keys on every rank, for the all-reduce).
 _SUMMED = ("loss", "pg", "entropy", "clip_tokens", "dual_clip_tokens", "approx_kl_sum", "tis_truncated_tokens",
-           "mismatch_masked_tokens", "mismatch_abs_logp_sum", "vetoed_sequences") + _LAGGED
+           "mismatch_masked_tokens", "mismatch_abs_logp_sum", "mismatch_kl_sum", "vetoed_sequences") + _LAGGED
 
 
 def needs_logprob_pass(algo: AlgorithmConfig) -> bool:
@@ -44,7 +44,9 @@ def needs_reference(algo: AlgorithmConfig) -> bool:
 
 class ActorWorker(DeepSpeedWorker):
     # The per-token fields train_step reads (besides token_ids); the group sends those the samples have.
-    TRAIN_FIELDS = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "staleness")
+    TRAIN_FIELDS = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "staleness",
+                    "routed_experts")
+    LOGPROB_FIELDS = ("loss_mask", "routed_experts")  # compute_logprobs's (routed_experts: MoE replay, if given)
 
     def __init__(self, model_path: str, optim: OptimConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None):
@@ -63,13 +65,15 @@ class ActorWorker(DeepSpeedWorker):
     def compute_logprobs(self, samples: list[dict] | TokenBatch, with_old: bool = True) -> dict[str, torch.Tensor]:
         """π_old (this step's proximal policy; skipped unless `with_old`) and, if kept, π_ref logprobs of every
         action token: flat tensors in the batch's layout (`TokenBatch.split` gives one per sample)."""
-        batch = as_token_batch(samples, ("loss_mask",))
+        batch = as_token_batch(samples, self.LOGPROB_FIELDS)
         self.module.eval()
-        batches = self.micro_batches(batch, ("loss_mask",))
+        replay = self.all_reduce([float(batch.has("routed_experts"))], "max")[0] > 0
+        batches = self.micro_batches(batch, ("loss_mask",) + (("routed_experts",) if replay else ()))
         old, ref = [], []
         for mb in batches:
             args = (mb.tensors["input_ids"], mb.tensors["attention_mask"], self.temperature)
-            kwargs = dict(only=mb.tensors["loss_mask"], position_ids=mb.position_ids)
+            kwargs = dict(only=mb.tensors["loss_mask"], position_ids=mb.position_ids,
+                          routed_experts=mb.tensors.get("routed_experts"))
             if with_old:
                 old.append(policy_logprobs(self.module, *args, **kwargs)[0])
             if self.reference is not None:
@@ -103,6 +107,8 @@ class ActorWorker(DeepSpeedWorker):
         fields += ("staleness",) if have_lag else ()
         if self.reference is not None:
             fields += ("ref_logprobs",)
+        if self.all_reduce([float(batch.has("routed_experts"))], "max")[0] > 0:
+            fields += ("routed_experts",)  # the engine's experts, replayed in the forward (models/glm5/moe.py)
         self.module.train()
         sums = dict.fromkeys(_SUMMED + (("kl_ref",) if self.reference is not None else ()), 0.0)
         grad_norms, tokens_seen = [], 0.0
@@ -123,6 +129,7 @@ class ActorWorker(DeepSpeedWorker):
             "mismatch/tis_truncated_frac": sums["tis_truncated_tokens"] / tokens_seen,
             "mismatch/masked_frac": sums["mismatch_masked_tokens"] / tokens_seen,
             "mismatch/train_rollout_logprob_abs_diff": sums["mismatch_abs_logp_sum"] / tokens_seen,
+            "mismatch/kl_rollout_train": sums["mismatch_kl_sum"] / tokens_seen,
             "mismatch/vetoed_segments": sums["vetoed_sequences"] / a.ppo_epochs,
             "perf/actor_train_s": elapsed, "perf/actor_train_tokens_per_s": a.ppo_epochs * tokens / max(elapsed, 1e-9),
         }
@@ -154,7 +161,8 @@ class ActorWorker(DeepSpeedWorker):
                     return logp.sum() * 0.0
                 mask = t["loss_mask"]
                 logp, entropy = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
-                                                with_entropy=True, only=mask, position_ids=mb.position_ids)
+                                                with_entropy=True, only=mask, position_ids=mb.position_ids,
+                                                routed_experts=t.get("routed_experts"))
                 old = t["old_logprobs"] if have_old else logp.detach()
                 weights, keep, corr = rollout_correction(old, t["rollout_logprobs"], mask, a.tis_low, a.tis_high,
                                                          a.mask_low or None, a.mask_high or None, a.veto or None)

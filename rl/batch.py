@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 from critic.gae import adaptive_lambda, compute_gae
@@ -33,16 +34,40 @@ def trainable(trajectories: list[Trajectory]) -> tuple[list[Trajectory], Counter
 
 def to_samples(trajectories: list[Trajectory]) -> list[dict]:
     """One sample per segment; its per-token fields as 1-D tensors (token ids and weight versions as int64, the
-    rest float32)."""
+    rest float32), and, when the engine reported routing, `routed_experts` (int16 [tokens, layers, k], −1 in a
+    segment that has none: the trainer routes those itself)."""
     samples = []
+    routing_shape = next((s.replay["routed_experts"].shape[1:] for t in trajectories for s in t.segments
+                          if s.replay and "routed_experts" in s.replay), None)
     for ti, t in enumerate(trajectories):
         for s in t.segments:
-            samples.append({"traj": ti, "segment_index": s.segment_index, "segment_type": s.segment_type,
-                            "token_ids": torch.tensor(s.token_ids, dtype=torch.long),
-                            "loss_mask": torch.tensor(s.loss_mask, dtype=torch.float32),
-                            "rollout_logprobs": torch.tensor(s.rollout_logprobs, dtype=torch.float32),
-                            "weight_versions": torch.tensor(s.weight_versions, dtype=torch.long)})
+            sample = {"traj": ti, "segment_index": s.segment_index, "segment_type": s.segment_type,
+                      "token_ids": torch.tensor(s.token_ids, dtype=torch.long),
+                      "loss_mask": torch.tensor(s.loss_mask, dtype=torch.float32),
+                      "rollout_logprobs": torch.tensor(s.rollout_logprobs, dtype=torch.float32),
+                      "weight_versions": torch.tensor(s.weight_versions, dtype=torch.long)}
+            if routing_shape is not None:
+                routing = (s.replay or {}).get("routed_experts")
+                sample["routed_experts"] = (torch.from_numpy(np.array(routing, dtype=np.int16)) if routing is not None
+                                            else torch.full((len(s.token_ids), *routing_shape), -1, dtype=torch.int16))
+            samples.append(sample)
     return samples
+
+
+def replay_metrics(samples: list[dict]) -> dict:
+    """How much of the routing the trained logprobs depend on came from the engine: `replay/tokens_replayed_frac`,
+    over each sample's positions before its last action token (the ones that token's logprob depends on), and
+    the replay data's size per token. Empty without replay."""
+    if not samples or "routed_experts" not in samples[0]:
+        return {}
+    replayed = positions = 0
+    for s in samples:
+        actions = _actions(s)
+        last = int(actions[-1]) if len(actions) else 0
+        replayed += int((s["routed_experts"][:last] >= 0).flatten(1).any(1).sum())
+        positions += last
+    per_token = samples[0]["routed_experts"][0].numel() * samples[0]["routed_experts"].element_size()
+    return {"replay/tokens_replayed_frac": replayed / max(positions, 1), "replay/bytes_per_token": per_token}
 
 
 def _by_trajectory(samples: list[dict]) -> dict[int, list[dict]]:

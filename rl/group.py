@@ -62,6 +62,7 @@ class TrainerGroup:
             raise ValueError(f"{role}: a trainer group needs at least one rank, got {ranks}")
         self.role, self.ranks = role, ranks
         self.train_fields: tuple[str, ...] = worker_cls.TRAIN_FIELDS  # the per-token fields train_step reads
+        self.logprob_fields: tuple[str, ...] = getattr(worker_cls, "LOGPROB_FIELDS", ("loss_mask",))
         bundle = {"CPU": CPU_PER_RANK, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
         self.placement = placement_group([dict(bundle) for _ in range(ranks)], strategy="PACK")
         ray.get(self.placement.ready())
@@ -117,7 +118,7 @@ class TrainerGroup:
         the caller's order}."""
         def finish(shards, results):
             return {key: self._per_sample(len(samples), shards, [r[key] for r in results]) for key in results[0]}
-        return self._sharded("compute_logprobs", samples, ("loss_mask",), with_old, finish=finish)
+        return self._sharded("compute_logprobs", samples, self.logprob_fields, with_old, finish=finish)
 
     def compute_values(self, samples: list[dict]) -> "Pending":
         """V per sample; `.result()`: one 1-D tensor per sample, in the caller's order."""

@@ -86,6 +86,8 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
     stats = {"tis_truncated_tokens": masked_sum(((rho > tis_high) | (rho < tis_low)).float(), mask),
              "mismatch_masked_tokens": masked_sum(1.0 - keep, mask),
              "mismatch_abs_logp_sum": masked_sum((old_logp - rollout_logp).abs(), mask),
+             # KL(μ ‖ π_old) on μ's own samples (k3): how far the trainer's policy is from the one that sampled
+             "mismatch_kl_sum": masked_sum(kl_estimate(rollout_logp, old_logp, "k3"), mask),
              "vetoed_sequences": vetoed.float().sum()}
     return weights.detach(), keep.detach(), stats
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from environments import load_tasks
 from models import resolve_model_path
 from rl.actor import needs_logprob_pass, needs_old_logprobs
-from rl.batch import add_advantages, boundary_value_drop, to_samples, trainable
+from rl.batch import add_advantages, boundary_value_drop, replay_metrics, to_samples, trainable
 from rl.checkpoint import Checkpointer
 from rl.cluster import Workers, engine_metrics, guard_metrics, run_episodes, spawn, start_ray
 from rl.config import Config, overlaps_models, register_configs, validate
@@ -48,6 +48,7 @@ def train_step(cfg: Config, w: Workers, rollouts: RolloutManager, step: int, aud
         log.warning("step %d: no trainable trajectory (%s); no update", step + 1, dict(dropped))
         return metrics
     samples = to_samples(kept)
+    metrics.update(replay_metrics(samples))
     for s in samples:  # how many versions each token lags the policy it trains (the actor's mismatch metrics by lag)
         s["staleness"] = (w.weight_version - s.pop("weight_versions")).clamp(min=0).float() * s["loss_mask"]
     if cfg.trainer.max_staleness == 0:  # the rollout is the wait; asynchronously it overlaps the previous step

@@ -147,7 +147,8 @@ class AgentEpisode:
         finally:
             self._request_id = None
         self.timings["generate_s"] += time.perf_counter() - started
-        ledger.append_output(result.output_ids, result.output_logprobs, result.versions())
+        ledger.append_output(result.output_ids, result.output_logprobs, result.versions(),
+                             routing=result.meta.pop("routed_experts", None))
         self.sampled += len(result.output_ids)
         return result
 

@@ -36,8 +36,7 @@ class SGLangConfig:
     weight_sync_dir: str = ""  # disk: a folder every server can read ("" = <run dir>/weights)
     pause_mode: str = "abort"  # during a weight update, in-flight requests are: abort (retried on the new
     #                            weights) | in_place (kept; they finish on the new weights: partial rollout)
-    return_routed_experts: bool = False  # replay data for the trainer (needs --enable-return-routed-experts)
-    return_indexer_topk: bool = False  # (needs --enable-return-indexer-topk)
+    return_indexer_topk: bool = False  # (needs --enable-return-indexer-topk; 87 KB a token for GLM-5.2's top-2048)
     health_interval_s: float = 5.0
     max_restarts: int = 3  # per server over the run
 
@@ -48,6 +47,10 @@ class EngineConfig:
     num_workers: int = 1  # Ray rollout workers, each with its own engine replica
     max_batch_size: int = 32  # LocalEngine: requests decoded together
     speculative_steps: int = 0  # LocalEngine: > 0 drafts this many tokens a round with the model's MTP layer
+    # MoE replay: each engine reports the experts it routed every token to, and the trainer's forwards (π_old,
+    # π_ref, the update) use them instead of routing again (a MoE policy; SGLang: --enable-return-routed-experts,
+    # added to the servers' arguments)
+    return_routed_experts: bool = False
     dtype: str = "float32"
     device: str = "auto"  # auto: the worker's GPU when Ray gave it one, else the CPU
     gpus_per_worker: float = 0.0  # Ray GPU share of each rollout worker (fractions colocate it with the trainer)

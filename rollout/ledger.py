@@ -1,10 +1,16 @@
-"""Token ledger of one segment: what the engine saw and sampled, with loss masks and behaviour logprobs."""
+"""Token ledger of one segment: what the engine saw and sampled, with loss masks, behaviour logprobs and the
+experts that routed each token."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rollout.types import Segment
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -13,6 +19,9 @@ class TokenLedger:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per token: the weight version that sampled it, or -1
+    # [positions, layers, k] int16: the experts the engine routed each position to (MoE replay), from the latest
+    # generation, which ran every position before its last token; None when the engine reports none
+    routing: np.ndarray | None = None
     _last_output: tuple[int, int] | None = None  # [start, end) of the latest sampled output
 
     def __len__(self) -> int:
@@ -25,9 +34,11 @@ class TokenLedger:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
-    def append_output(self, ids: list[int], logprobs: list[float], versions: list[int] | int) -> None:
+    def append_output(self, ids: list[int], logprobs: list[float], versions: list[int] | int,
+                      routing=None) -> None:
         """Tokens the policy sampled, with their behaviour logprobs (loss mask 1) and the weight version that
-        sampled each (one int: all of them)."""
+        sampled each (one int: all of them). `routing` ([positions, layers, k]): the experts of every position the
+        engine ran for this generation, the whole ledger but the last token (SGLang's `routed_experts`)."""
         if isinstance(versions, int):
             versions = [versions] * len(ids)
         if not len(ids) == len(logprobs) == len(versions):
@@ -38,15 +49,39 @@ class TokenLedger:
         self.logprobs += list(logprobs)
         self.versions += list(versions)
         self._last_output = (start, len(self.ids))
+        if routing is not None:
+            self._record_routing(np.asarray(routing))
+
+    def _record_routing(self, routing: np.ndarray) -> None:
+        """The latest generation's routing replaces what came before: it covers every earlier position, as the
+        engine ran (or, with a prefix cache, kept) them for the tokens it just sampled."""
+        if routing.ndim != 3 or routing.shape[0] != len(self.ids) - 1:
+            # an engine that reported another span than it was given: keep the earlier routing; the positions
+            # it does not cover train on the model's own
+            log.warning("routing of shape %s for a ledger of %d tokens (expected %d positions): not replayed",
+                        routing.shape, len(self.ids), len(self.ids) - 1)
+            return
+        self.routing = routing.astype(np.int16, copy=False)
 
     def clear(self) -> None:
         self.ids, self.mask, self.logprobs, self.versions, self._last_output = [], [], [], [], None
+        self.routing = None
 
     def mask_last_output(self) -> None:
         if self._last_output:
             start, end = self._last_output
             self.mask[start:end] = [0] * (end - start)
 
+    def routed_experts(self) -> np.ndarray | None:
+        """[len, layers, k] int16 aligned with `ids`: −1 where no generation ran the position (the tokens after
+        the last one, whose routing no sampled token depends on)."""
+        if self.routing is None:
+            return None
+        out = np.full((len(self.ids), *self.routing.shape[1:]), -1, dtype=np.int16)
+        out[:len(self.routing)] = self.routing
+        return out
+
     def to_segment(self, rollout_id: str, index: int, segment_type: str) -> Segment:
+        routing = self.routed_experts()
         return Segment(rollout_id, index, list(self.ids), list(self.mask), list(self.logprobs), segment_type,
-                       list(self.versions))
+                       list(self.versions), None if routing is None else {"routed_experts": routing})

@@ -6,6 +6,10 @@ decodes with a KV cache until every row has stopped. Each row keeps its own samp
 Weight updates (pause → update → resume, docs/DESIGN.md §3.7) do not wait for the running batch: it parks
 between two decode steps, the weights change, and it continues on the new ones with its KV cache kept (SGLang's
 `in_place` pause). That is a partial rollout: each output token records the weight version that sampled it.
+
+With `return_routed_experts` (a MoE policy: GLM-5.2), each result also carries the experts every position was
+routed to (`meta["routed_experts"]`, int16 [prompt + output − 1, layers, k], SGLang's layout: every position the
+model ran, the last sampled token excepted; −1 in the dense layers), for the trainer to replay.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class _Batch:
     out_lp: list[list[float]]
     out_ver: list[list[int]]  # the weight version that sampled each output token
     finish: list[str | None]
+    routing: list[list[torch.Tensor]] = field(default_factory=list)  # per row: [positions, layers, k] chunks
 
     @property
     def done(self) -> bool:
@@ -68,8 +73,16 @@ class _Batch:
 
 class LocalEngine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch_size: int = 16,
-                 gather_window_s: float = 0.02, weight_version: int = 0, speculative_steps: int = 0):
+                 gather_window_s: float = 0.02, weight_version: int = 0, speculative_steps: int = 0,
+                 return_routed_experts: bool = False):
         self.model = model.eval()
+        self.return_routed_experts = return_routed_experts
+        if return_routed_experts and "return_routing" not in inspect.signature(model.forward).parameters:
+            raise ValueError(f"engine.return_routed_experts: {type(model).__name__} reports no expert routing "
+                             "(a MoE policy such as GLM-5.2 does)")
+        # the model's keyword for its routing, and the layer count of the routing it reports
+        self._routing_kw = {"return_routing": True} if return_routed_experts else {}
+        self._num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)
         # > 0: draft this many tokens per round with the model's MTP layer (GLM-5.2) and verify them at once
         self.speculative_steps = speculative_steps
         self._drafter = None
@@ -289,7 +302,7 @@ class LocalEngine:
                       torch.tensor([s.top_k for s in sp], dtype=torch.long, device=self.device), temperature <= 0,
                       generators, max_new, [set() if s.ignore_eos else set(s.stop_token_ids) for s in sp],
                       [[] for _ in batch], [[] for _ in batch], [[] for _ in batch],
-                      ["length" if m == 0 else None for m in max_new])
+                      ["length" if m == 0 else None for m in max_new], [[] for _ in batch])
 
     def _emit(self, b: _Batch, i: int, token: int, logprob: float) -> bool:
         """Append one sampled token to row i unless the row has finished (then False); mark it finished when it
@@ -313,11 +326,31 @@ class LocalEngine:
         self.stats["requests"] += len(b.requests)
         self.stats["prompt_tokens"] += b.prompt_tokens
         self.stats["generated_tokens"] += sum(len(o) for o in b.out_ids)
-        return [GenerateResult(b.out_ids[i], b.out_lp[i], b.finish[i] or "length",
-                               {"request_id": r.request_id, "weight_version": self.weight_version,
-                                "prompt_tokens": len(r.input_ids), "completion_tokens": len(b.out_ids[i]), **meta},
-                               b.out_ver[i])
-                for i, r in enumerate(b.requests)]
+        results = [GenerateResult(b.out_ids[i], b.out_lp[i], b.finish[i] or "length",
+                                  {"request_id": r.request_id, "weight_version": self.weight_version,
+                                   "prompt_tokens": len(r.input_ids), "completion_tokens": len(b.out_ids[i]), **meta},
+                                  b.out_ver[i])
+                   for i, r in enumerate(b.requests)]
+        if self.return_routed_experts:  # every position run, in order; a finished row's later steps cut off
+            for i, (r, result) in enumerate(zip(b.requests, results)):
+                ran = len(r.input_ids) + max(len(b.out_ids[i]) - 1, 0)
+                result.meta["routed_experts"] = torch.cat(b.routing[i])[:ran].numpy()
+        return results
+
+    def _record_routing(self, b: _Batch, out, columns) -> None:
+        """Append each row's routing of this forward's positions `columns(i)` (a slice of the forward's) to the
+        row's: one transfer to the host for the batch."""
+        if not self.return_routed_experts:
+            return
+        experts = out.routed_experts
+        first = next(iter(experts.values()))
+        routing = torch.full((*first.shape[:2], self._num_layers, first.shape[-1]), -1, dtype=torch.int16,
+                             device=first.device)
+        for layer, ids in experts.items():
+            routing[:, :, layer] = ids
+        routing = routing.cpu()
+        for i in range(len(b.requests)):
+            b.routing[i].append(routing[i, columns(i)])
 
     def _process(self, b: _Batch, logits: torch.Tensor) -> torch.Tensor:
         """log μ [n, V] of rows' logits [n, V]; n = rows × p with each row's p positions consecutive."""
@@ -337,7 +370,9 @@ class LocalEngine:
         speculative decoding share. Returns the model's output (the speculative path reads its hidden states) and
         the tokens [n]."""
         out = self.model(input_ids=b.ids, attention_mask=b.mask, position_ids=b.positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kwarg: cache})
+                         logits_to_keep=1, **{self._cache_kwarg: cache}, **self._routing_kw)
+        width = b.ids.shape[1]  # left padding: row i's prompt is its last len(input_ids) columns
+        self._record_routing(b, out, lambda i: slice(width - len(b.requests[i].input_ids), width))
         return out, self._sample_and_emit(b, out.logits[:, -1].float())
 
     @torch.inference_mode()
@@ -355,8 +390,10 @@ class LocalEngine:
             if b.done:
                 break
             mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=mask.device)], dim=1)
-            logits = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
-                                use_cache=True, **{self._cache_kwarg: cache}).logits[:, -1].float()
+            out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                             use_cache=True, **{self._cache_kwarg: cache}, **self._routing_kw)
+            self._record_routing(b, out, lambda i: slice(0, 1))
+            logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
             tokens = self._sample_and_emit(b, logits)
         return self._results(b)
@@ -395,11 +432,14 @@ class LocalEngine:
             verify_pos = (pos + 1).unsqueeze(1) + torch.arange(k + 1, device=self.device)
             mask = torch.cat([mask, torch.ones((n, k + 1), dtype=mask.dtype, device=mask.device)], dim=1)
             out = self.model(input_ids=torch.cat([token[:, None], drafts], 1), attention_mask=mask,
-                             position_ids=verify_pos, cache=cache, use_cache=True, logits_to_keep=0)
+                             position_ids=verify_pos, cache=cache, use_cache=True, logits_to_keep=0,
+                             **self._routing_kw)
             logp = self._process(b, out.logits.float().reshape(n * (k + 1), -1)).view(n, k + 1, -1)
             kept_t, token = verify_drafts(logp, logq, drafts, b.greedy, b.generators)
             draft_lp = logp[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1).tolist()
             kept, following = kept_t.tolist(), token.tolist()
+            # the positions this round ran that stay: the last token and the accepted drafts
+            self._record_routing(b, out, lambda i: slice(0, kept[i] + 1))
             following_lp, draft_ids = logp[rows, kept_t, token].tolist(), drafts.tolist()
             for i in range(n):
                 if b.finish[i] is not None:

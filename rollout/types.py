@@ -54,7 +54,9 @@ class Segment:
     segment_type: str = "final"
     # aligned with token_ids: the weight version that sampled each token, -1 where the policy sampled nothing
     weight_versions: list[int] = field(default_factory=list)
-    replay: dict[str, Any] | None = None  # routed experts / indexer top-k when the engine returns them
+    # MoE replay when the engine reports it: {"routed_experts": int16 [len(token_ids), layers, k]}, the experts the
+    # engine routed each position to, −1 where it ran none (the segment's tail after its last sampled token)
+    replay: dict[str, Any] | None = None
 
     def __post_init__(self):
         n = len(self.token_ids)
@@ -64,6 +66,10 @@ class Segment:
             raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: token_ids ({n}), loss_mask "
                              f"({len(self.loss_mask)}), rollout_logprobs ({len(self.rollout_logprobs)}) and "
                              f"weight_versions ({len(self.weight_versions)}) differ")
+        for key, value in (self.replay or {}).items():
+            if len(value) != n:
+                raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: replay {key!r} covers "
+                                 f"{len(value)} positions for {n} tokens")
 
     @property
     def num_action_tokens(self) -> int:

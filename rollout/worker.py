@@ -45,7 +45,8 @@ class RolloutWorker:
             device = engine.device if engine.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, device=device,
                                                       max_batch_size=engine.max_batch_size,
-                                                      speculative_steps=engine.speculative_steps)
+                                                      speculative_steps=engine.speculative_steps,
+                                                      return_routed_experts=engine.return_routed_experts)
         self.runtime = EpisodeRuntime(
             engine=self.engine, tokenizer=self.engine.tokenizer, chat=make_chat_format(chat_format),
             parser=make_tool_parser(tool_format, TOOL_SPECS), guard=guard, config=agent,
@@ -141,9 +142,12 @@ def make_sglang_engine(model_path: str, engine: EngineConfig, endpoint: dict) ->
 
     cfg = engine.sglang
     replay: dict[str, int] = {}
-    if cfg.return_routed_experts or cfg.return_indexer_topk:
+    if engine.return_routed_experts or cfg.return_indexer_topk:
         model_cfg = json.loads((Path(model_path) / "config.json").read_text())
-        if cfg.return_routed_experts:
+        if engine.return_routed_experts:
+            if "num_experts_per_tok" not in model_cfg:
+                raise ValueError(f"engine.return_routed_experts: {model_path} is not a MoE model (no "
+                                 "num_experts_per_tok in its config.json)")
             replay["routed_experts"] = int(model_cfg["num_experts_per_tok"])
         if cfg.return_indexer_topk:
             replay["indexer_topk"] = int(model_cfg["index_topk"])

@@ -38,9 +38,11 @@ echo "setup: stack $([ -f $STACK/.unpacked ] && echo ready || echo missing)," \
 # For the run scripts (train.sh, train_detached.sh): the SGLang server processes get SGLang's carried site tree
 # (and nothing else) on their path; and what a call brings back of a run.
 # The carried tree has no FlashAttention 3 (pruned), so a dense policy's server attends with triton and samples
-# with torch; a later override of the same keys on the command line wins.
+# with torch (SGLANG_DENSE=0 leaves that out: a GLM-5.2 policy's server takes its DSA backends from the
+# experiment); a later override of the same keys on the command line wins.
 SGLANG_OVERRIDES=()
-[ -n "${RL_SGLANG_PYTHONPATH:-}" ] && SGLANG_OVERRIDES+=("+engine.sglang.env.PYTHONPATH=$RL_SGLANG_PYTHONPATH"
+[ -n "${RL_SGLANG_PYTHONPATH:-}" ] && SGLANG_OVERRIDES+=("+engine.sglang.env.PYTHONPATH=$RL_SGLANG_PYTHONPATH")
+[ -n "${RL_SGLANG_PYTHONPATH:-}" ] && [ "${SGLANG_DENSE:-1}" = 1 ] && SGLANG_OVERRIDES+=(
   "++engine.sglang.args.attention-backend=triton" "++engine.sglang.args.sampling-backend=pytorch")
 copy_run_outputs() {  # RUN_DIR: metrics, summary, config, curves, the audit's and SGLang logs' tails → $OUT
   local run=$1 out=${OUT:-/tmp} f

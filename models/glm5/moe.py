@@ -14,8 +14,9 @@ bf16 has only a few ULPs of spread and rounding reorders the top-k (SGLang's war
 buffer in fp32 through `model.to(bfloat16)`. It is a frozen buffer (the aux-free update rule is a pretraining
 mechanism). The router weight may be stored in any dtype; its matmul runs in fp32.
 
-Replay: given the expert ids the rollout engine chose ([B, S, k_e]), selection is skipped and the gates are
-recomputed from σ at those ids (so the router still gets gradients).
+Replay: given the expert ids the rollout engine chose ([B, S, k_e]), those replace the selection and the gates
+are recomputed from σ at those ids (so the router still gets gradients); a token whose row holds −1 (a position
+the engine never ran) keeps its own selection.
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] → (gates [N, k_e] fp32, expert ids [N, k_e])."""
         sigma = torch.nn.functional.linear(x.float(), self.weight.float()).sigmoid()
-        if replay is None:
-            with torch.no_grad():
-                ids = self.select(sigma + self.e_score_correction_bias.float())
-        else:
-            ids = replay.to(device=x.device, dtype=torch.long)
+        with torch.no_grad():
+            ids = self.select(sigma + self.e_score_correction_bias.float())
+            if replay is not None:
+                # a token the engine never ran (−1: padding, a trajectory's last token) keeps its own choice; the
+                # own choice is always computed, as asking whether any is missing would cost a host sync
+                replay = replay.to(device=x.device, dtype=torch.long)
+                ids = torch.where((replay < 0).any(-1, keepdim=True), ids, replay)
         gates = sigma.gather(1, ids)
         if self.norm_topk_prob:
             gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)

@@ -1,6 +1,9 @@
 """Tiny random GLM-5.2 models for tests: the real architecture (MLA, DSA indexer with IndexShare, dense first
 layers, MoE, MTP) at a few million parameters.
 
+`glm52-small[:seed]` (the GLM-5.2 recipe's policy on SGLang) is `KERNEL_CONFIG` below with that tokenizer, stored
+in bf16: the smallest GLM-5.2 SGLang's kernels accept, about 0.3B parameters.
+
 `glm52-tiny[:seed]` is a built-in model name (like `tiny-random`): 8 layers with GLM-5.2's own IndexShare schedule
 (freq 4, offset 3 → F F F S S S F S), 2 dense layers, 8 experts, an MTP layer, top-k 16 so that any rollout past
 16 tokens attends sparsely, and the default policy's (SmolLM2) tokenizer and vocabulary. The folder is written
@@ -19,7 +22,7 @@ import torch
 from torch import nn
 
 from models.glm5.config import Glm5Config
-from models.hub import GLM52_TINY
+from models.hub import GLM52_SMALL, GLM52_TINY
 
 # docs/GLM52.md §9A, the transformers-equality configuration
 REFERENCE_CONFIG = dict(
@@ -44,6 +47,10 @@ KERNEL_CONFIG = dict(
     index_topk_freq=4, index_skip_topk_offset=3, num_nextn_predict_layers=1, max_position_embeddings=8192,
     rope_parameters={"rope_theta": 8000000.0, "rope_type": "default"}, dtype="bfloat16",
 )
+
+# the built-in glm52-small: KERNEL_CONFIG with the tokenizer's vocabulary and sgl-kernel's DSA top-k, which asserts
+# index_topk == 2048 (contexts up to 2,048 tokens attend densely, longer ones sparsely)
+SMALL_CONFIG = {**{k: v for k, v in KERNEL_CONFIG.items() if k != "vocab_size"}, "index_topk": 2048}
 
 # the built-in glm52-tiny (vocab and special tokens come from the tokenizer)
 TINY_CONFIG = dict(
@@ -81,13 +88,22 @@ def build_random(config: Glm5Config, seed: int = 0, randomise: bool = True):
 
 def tiny_glm5_dir(name: str = GLM52_TINY) -> Path:
     """HF-format folder of `glm52-tiny[:seed]` in the model cache (written once)."""
+    return _random_glm5_dir(name, "glm52-tiny", TINY_CONFIG)
+
+
+def small_glm5_dir(name: str = GLM52_SMALL) -> Path:
+    """HF-format folder of `glm52-small[:seed]` (bf16; the routers' correction bias stays fp32) in the cache."""
+    return _random_glm5_dir(name, "glm52-small", SMALL_CONFIG, torch.bfloat16)
+
+
+def _random_glm5_dir(name: str, prefix: str, layout: dict, dtype: torch.dtype = torch.float32) -> Path:
     from models.hub import cached_random_model
 
     def build(tokenizer, seed: int):
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         config = Glm5Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
-                            pad_token_id=pad, **TINY_CONFIG)
-        return build_random(config, seed)
+                            pad_token_id=pad, **{**layout, "dtype": str(dtype).removeprefix("torch.")})
+        return build_random(config, seed).to(dtype)
 
-    return cached_random_model(name, "glm52-tiny", build)
+    return cached_random_model(name, prefix, build)

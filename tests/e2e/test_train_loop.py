@@ -151,15 +151,19 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
 
 def test_glm52_tiny_as_policy_and_critic(tmp_path):
     """The sparse architecture (models/glm5: MLA, DSA indexer with IndexShare, MoE) through the whole loop:
-    LocalEngine rollouts with MTP speculative decoding, chunked logprobs, the value-head critic, DeepSpeed
-    updates, weight sync, checkpoints."""
+    LocalEngine rollouts with MTP speculative decoding, routed-expert replay, chunked logprobs, the value-head
+    critic, DeepSpeed updates, weight sync, checkpoints."""
     from rl.train import train
 
     cfg = config("model=glm52_tiny", f"output_dir={tmp_path}", "trainer.steps=1", "trainer.eval_at_start=false",
                  "trainer.verify_weight_sync=true", "logging.wandb_mode=disabled", "engine.speculative_steps=2",
-                 "algorithm.ppo_epochs=2", "algorithm.mini_batches=2")
+                 "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "engine.return_routed_experts=true")
     final = train(cfg)
     assert final["rollout/episodes"] == 4 and final["perf/weight_sync_max_abs_diff"] == 0.0
+    # every position a trained logprob depends on ran in the engine (the rest: after the last sampled token)
+    assert final["replay/tokens_replayed_frac"] == 1.0 and final["replay/bytes_per_token"] == 2 * 8 * 2
+    # π_old (computed before the first optimiser step, with the engine's experts) is the engine's μ
+    assert final["mismatch/abs_diff_lag0"] < 1e-5
     assert final["actor/optim_steps"] == 4 and final["critic/optim_steps"] == 4  # PPO mini-batches end to end
     assert final["engine/speculative_rounds"] > 0 and final["engine/accept_length"] >= 1.0
     assert math.isfinite(final["actor/grad_norm"]) and math.isfinite(final["critic/grad_norm"])

@@ -23,6 +23,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import torch
 
 from rollout.local_engine import LocalEngine
@@ -51,7 +52,7 @@ ABORTED_QUEUED_MAX = 1024  # aborted request ids remembered for requests queued 
 
 
 class FakeSGLang:
-    def __init__(self, model_path: str, port: int = 0):
+    def __init__(self, model_path: str, port: int = 0, routed_experts: bool = False):
         self.model_path = model_path
         self.port = port
         self.loop = asyncio.new_event_loop()
@@ -67,9 +68,11 @@ class FakeSGLang:
         self.lock = threading.Lock()
         self.started = time.time()
         self.decode_s_per_token = float(os.environ.get("FAKE_SGLANG_DECODE_S_PER_TOKEN", "0"))
+        self.routed_experts = routed_experts  # --enable-return-routed-experts
 
     def load(self) -> None:
-        self.engine = LocalEngine.from_pretrained(self.model_path, max_batch_size=16)
+        self.engine = LocalEngine.from_pretrained(self.model_path, max_batch_size=16,
+                                                  return_routed_experts=self.routed_experts)
 
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -89,12 +92,14 @@ class FakeSGLang:
             rid = (rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if batch and rids else rids)) or os.urandom(8).hex()
             start = body.get("logprob_start_len")
             start = start[i] if isinstance(start, list) else start
+            if body.get("return_routed_experts") and not self.routed_experts:
+                raise ValueError("return_routed_experts needs the server started with --enable-return-routed-experts")
             outs.append(self.generate_one(prompt, sp, rid, bool(body.get("return_logprob")),
-                                          -1 if start is None else int(start)))
+                                          -1 if start is None else int(start), bool(body.get("return_routed_experts"))))
         return outs if batch else outs[0]
 
     def generate_one(self, prompt: list[int], sp: dict, rid: str, return_logprob: bool,
-                     logprob_start_len: int = -1) -> dict:
+                     logprob_start_len: int = -1, return_routed_experts: bool = False) -> dict:
         with self.resumed:
             while self.paused.is_set():
                 self.resumed.wait()
@@ -136,6 +141,9 @@ class FakeSGLang:
                                             if logprob_start_len >= 0 else [])
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.output_logprobs, result.output_ids)]
             meta["output_token_logprobs_length"] = len(result.output_ids)
+        if return_routed_experts and "routed_experts" in result.meta:  # SGLang's encoding: base64 of int32 [prompt + output - 1, layers, top_k]
+            meta["routed_experts"] = base64.b64encode(
+                result.meta["routed_experts"].astype(np.int32).tobytes()).decode()
         return {"text": tok.decode(result.output_ids), "output_ids": result.output_ids, "meta_info": meta}
 
     def prompt_logprobs(self, prompt: list[int], temperature: float) -> list[list]:
@@ -300,9 +308,10 @@ def main(argv=None) -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
     args, ignored = parser.parse_known_args(argv)
     torch.set_num_threads(int(os.environ.get("FAKE_SGLANG_THREADS", "1")))
-    app = FakeSGLang(args.model_path, args.port)
+    app = FakeSGLang(args.model_path, args.port, args.enable_return_routed_experts)
     Handler.app = app
     httpd = ThreadingHTTPServer((args.host, args.port), Handler)
     httpd.daemon_threads = True

@@ -158,6 +158,60 @@ def test_generate_through_the_engine(served):
                           "routed_experts_shape": list(results[0].meta["routed_experts"].shape)}
 
 
+def test_routed_expert_replay_against_the_real_server(served):
+    """SGLang's routing (bf16, its kernels) against our trainer's (fp32) on the same weights and tokens: how often
+    a token's expert set differs, and the logprob mismatch on the sampled tokens without and with replay. Figures
+    for docs/BENCHMARKS.md; the test asserts only that replay does not make the mismatch worse and that SGLang's
+    experts are the model's own for most tokens (a wrong layer or position alignment would break both)."""
+    from models import load_model, policy_logprobs
+    from rollout.ledger import TokenLedger
+    from rollout.sglang.engine import SGLangEngine
+    from rollout.types import SamplingParams
+
+    server, folders, _ = served
+
+    async def go():
+        engine = SGLangEngine([server.url], replay_top_k={"routed_experts": 4})
+        try:
+            return await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=256, temperature=1.0,
+                                                                            seed=i, ignore_eos=True))
+                                          for i, p in enumerate(_prompts())))
+        finally:
+            await engine.close()
+
+    results = asyncio.run(go())
+    model = load_model(str(folders[0]), "policy", dtype="float32", device="cuda").eval()
+    moe = [i for i, kind in enumerate(model.config.mlp_layer_types) if kind == "sparse"]
+    agree = total = 0
+    diffs = {False: [], True: []}
+    for prompt, r in zip(_prompts(), results):
+        ledger = TokenLedger()
+        ledger.append_context(prompt)
+        ledger.append_output(r.output_ids, r.output_logprobs, 0, routing=r.meta["routed_experts"])
+        routing = torch.from_numpy(ledger.routed_experts().astype("int64")).cuda()
+        ids = torch.tensor([ledger.ids], device="cuda")
+        with torch.no_grad():
+            own = model(input_ids=ids[:, :-1], return_routing=True, use_cache=False, logits_to_keep=1).routed_experts
+            for layer in moe:
+                same = (own[layer][0].sort(-1).values == routing[:-1, layer].sort(-1).values).all(-1)
+                agree, total = agree + int(same.sum()), total + same.numel()
+            mask = torch.tensor([ledger.mask], device="cuda", dtype=torch.float32)
+            for replay in (False, True):
+                logp, _ = policy_logprobs(model, ids, torch.ones_like(ids), only=mask,
+                                          routed_experts=routing[None] if replay else None)
+                sampled = torch.tensor(ledger.logprobs, device="cuda")
+                diffs[replay].append((logp[0] - sampled).abs()[mask[0] > 0])
+    del model
+    torch.cuda.empty_cache()
+    without, with_replay = torch.cat(diffs[False]), torch.cat(diffs[True])
+    REPORT["routing_replay"] = {
+        "token_layer_pairs": total, "expert_sets_equal_frac": agree / total,
+        "abs_diff_without_replay": {"mean": float(without.mean()), "max": float(without.max())},
+        "abs_diff_with_replay": {"mean": float(with_replay.mean()), "max": float(with_replay.max())}}
+    assert agree / total > 0.5, REPORT["routing_replay"]
+    assert float(with_replay.mean()) <= float(without.mean()) + 1e-3, REPORT["routing_replay"]
+
+
 def test_logprob_parity_with_our_model(served):
     server, folders, _ = served
     result = _parity(server.url, folders[0], _prompts(), "seed0")
