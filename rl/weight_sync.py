@@ -12,7 +12,8 @@
 - `FallbackSync`: a transport that fails cleanly (a server that refuses or errors) hands over, for the rest of the
   run, to `engine.sglang.weight_sync_fallback`: a run is not lost to a transport problem.
 
-`verify=True` reads the weights back from every engine and reports the largest difference from the trainer's.
+`verify=True` reads the weights back from every engine and reports the largest difference from the trainer's; for
+SGLang also the servers' logprobs on a fixed probe against the trainer's (which holds for every architecture).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class SGLangSync(WeightSync):
         args = fleet.cfg.args
         self.tp = int(args.get("tp", args.get("tp-size", args.get("tp_size", 1))) or 1)
         self.served_dtype = served_dtype(fleet) if verify else None  # only the read-back check needs it
+        self.probe_temperature = 1.0  # the actor's logprob temperature (make_weight_sync sets the rollout's)
 
     def send(self, urls: list[str], version: int, fresh: bool) -> dict:
         raise NotImplementedError
@@ -100,6 +102,8 @@ class SGLangSync(WeightSync):
                "rollout/server_restarts": self.fleet.restarts, "perf/weight_sync_fallbacks": self.fleet.sync_fallbacks}
         if self.verify:
             out["perf/weight_sync_max_abs_diff"] = verify_sglang_weights(w.actor, self.fleet.urls, self.served_dtype)
+            out["perf/weight_sync_probe_abs_diff"] = verify_sglang_logprobs(w.actor, self.fleet.urls,
+                                                                            self.probe_temperature)
         return out
 
 
@@ -167,6 +171,8 @@ def make_weight_sync(cfg: "Config", workers: "Workers", run_dir: str = "") -> We
     folder = sg.weight_sync_dir or (f"{run_dir}/weights" if run_dir else "/tmp/agentic-rl-weights")
     made = {mode: SGLANG_TRANSPORTS[mode](workers, t.weight_sync_bucket_mb, t.verify_weight_sync, workers.fleet, folder)
             for mode in {sg.weight_sync, sg.weight_sync_fallback} if mode}
+    for sync in made.values():  # the actor scores at the rollout temperature (greedy: 1)
+        sync.probe_temperature = cfg.engine.temperature if cfg.engine.temperature > 0 else 1.0
     primary = made[sg.weight_sync]
     if sg.weight_sync_fallback and sg.weight_sync_fallback != sg.weight_sync:
         return FallbackSync(primary, made[sg.weight_sync_fallback])
@@ -212,8 +218,8 @@ def verify_sglang_weights(actor, urls: list[str], dtype: "torch.dtype", names_pe
                     worst, compared = max(worst, float((got - want).abs().max())), compared + 1
         finally:
             await client.close()
-        if not compared:  # nothing to compare is not a reason to lose the run: say so, report NaN
-            log.error("verify_weight_sync: %s answered for none of %s", url, picks)
+        if not compared:  # e.g. SGLang's GLM-5.2 model has no get_weights_by_name: the logprob probe checks it
+            log.warning("verify_weight_sync: %s read back none of %s; the logprob probe is the check", url, picks)
             return float("nan")
         return worst
 
@@ -222,3 +228,42 @@ def verify_sglang_weights(actor, urls: list[str], dtype: "torch.dtype", names_pe
 
     answered = [d for d in asyncio.run(all_servers()) if not math.isnan(d)]
     return max(answered) if answered else float("nan")
+
+
+PROBE_TOKENS = 128
+PROBE_MEAN_TOLERANCE = 0.05  # mean |Δ logprob| (a bf16 server against the fp32 trainer: about 0.005)
+
+
+def verify_sglang_logprobs(actor, urls: list[str], temperature: float = 1.0) -> float:
+    """A check that reads no parameter by name, so it holds for every architecture and however a server fuses or
+    renames its weights: a fixed probe of PROBE_TOKENS tokens is scored by every server (prefill only, input
+    logprobs) and by the trainer, and the largest per-server mean |Δ logprob| is returned. Above
+    PROBE_MEAN_TOLERANCE the weights the servers hold are not the trainer's: logged as an error."""
+    import torch
+
+    from rollout.sglang.client import SGLangClient
+
+    shapes = actor.parameter_shapes()
+    vocab = min(shape[0] for name, shape in shapes.items() if "embed" in name and len(shape) == 2)
+    probe = torch.randint(0, vocab, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = actor.compute_logprobs([{"token_ids": probe, "loss_mask": [0] + [1] * (PROBE_TOKENS - 1)}]).result()
+    ours = ours["old_logprobs"][0][1:]
+
+    async def theirs(url: str) -> torch.Tensor:
+        client = SGLangClient(url)
+        try:
+            body = await client.post("/generate", {
+                "input_ids": probe, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0, "temperature": temperature}})
+        finally:
+            await client.close()
+        return torch.tensor([float(lp) for lp, *_ in body["meta_info"]["input_token_logprobs"][1:]])
+
+    async def all_servers():
+        return await asyncio.gather(*(theirs(u) for u in urls))
+
+    worst = max(float((got - ours).abs().mean()) for got in asyncio.run(all_servers()))
+    if worst > PROBE_MEAN_TOLERANCE:
+        log.error("verify_weight_sync: a server's logprobs on the probe differ from the trainer's by %.4f on average "
+                  "(tolerance %.2f): its weights are not the trainer's", worst, PROBE_MEAN_TOLERANCE)
+    return worst

@@ -3,7 +3,7 @@
 # for STEPS steps with routed-expert replay, then the same without it, one after the other in a session of its
 # own that outlives the device call (while the machine stays warm); then, if asked, GPU tests on the same warm
 # machine (its SGLang JIT cache is warm by then). `watch` follows it in back-to-back calls.
-#   bash launch/gpu/glm52_recipe.sh start CALL_S STEPS [pytest -k expression]
+#   [REPLAYS="true false"] bash launch/gpu/glm52_recipe.sh start CALL_S STEPS [pytest -k expression]
 #   bash launch/gpu/glm52_recipe.sh watch CALL_S
 # Each call prints the log's new lines until everything ends or CALL_S seconds pass, then copies both runs'
 # metrics and summaries (replay_true_*, replay_false_*) and the tests' report to $OUT. Run from the repo root.
@@ -14,7 +14,7 @@ ROOT=/tmp/rl-out/glm52 LOG=/tmp/rl-out/glm52.log PID=/tmp/rl-out/glm52.pid
 mkdir -p $ROOT
 if [ "$VERB" = start ]; then
   setsid bash -c "
-    for replay in true false; do
+    for replay in ${REPLAYS:-true false}; do
       echo \"=== coding_ppo_glm52, engine.return_routed_experts=\$replay\"
       python3 -m rl.train +experiment=coding_ppo_glm52 output_dir=$ROOT run_name=replay_\$replay \
         trainer.steps=$STEPS trainer.eval_at_start=false engine.return_routed_experts=\$replay ${SGLANG_OVERRIDES[*]}

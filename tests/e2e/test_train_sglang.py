@@ -36,6 +36,7 @@ def test_train_with_an_sglang_fleet(tiny_path, tmp_path):
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert r["rollout/weight_version"] == r["step"] and r["perf/weight_sync_max_abs_diff"] == 0.0
+        assert r["perf/weight_sync_probe_abs_diff"] < 1e-4  # the same logprobs on the probe, server and trainer
         assert r["engine/requests"] > 0 and r["rollout/server_restarts"] == 0
         assert r["perf/weight_sync_mb"] > 0
         assert r["async/staleness_max"] <= 1 and r["rollout/episodes"] == 4
