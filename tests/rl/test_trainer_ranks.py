@@ -15,9 +15,11 @@ from models.batching import shard_by_tokens
 from models.training import DistEnv, OptimConfig, free_port
 
 
-def global_batch(n: int = 7, equal: bool = False) -> list[dict]:
+def global_batch(n: int = 7, equal: bool = False, replay: bool = False) -> list[dict]:
     """`equal`: every sample 48 tokens, so that no rank pads its micro-batches wider than one rank does (right
-    padding moves GLM-5.2's hidden states by ~1e-6, enough to flip a near-tied expert or indexer choice)."""
+    padding moves GLM-5.2's hidden states by ~1e-6, enough to flip a near-tied expert or indexer choice).
+    `replay`: routed experts as an engine reports them for glm52-tiny (8 layers, the first 2 dense: −1, 2 of 8
+    experts a token; the last 3 positions never ran: −1)."""
     g = torch.Generator().manual_seed(1)
     out = []
     for i in range(n):
@@ -28,6 +30,12 @@ def global_batch(n: int = 7, equal: bool = False) -> list[dict]:
         out.append({"token_ids": ids, "loss_mask": mask, "rollout_logprobs": logp,
                     "advantages": [(1.0 if i % 2 else -0.5) * m for m in mask],
                     "returns": [0.8 * m * (1 + t / length) for t, m in enumerate(mask)], "old_values": [0.0] * length})
+        if replay:
+            experts = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(length * 8)])
+            experts = experts.view(length, 8, 2).to(torch.int16)
+            experts[:, :2] = -1
+            experts[-3:] = -1
+            out[-1]["routed_experts"] = experts
     return out
 
 
@@ -40,9 +48,13 @@ def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, ou
     path = str(resolve_model_path(model))
     optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero)
     dist = DistEnv(rank=rank, world_size=world, master_port=port)
-    samples = global_batch(equal=model.startswith("glm52"))
+    replay = role == "actor-replay"
+    samples = global_batch(equal=model.startswith("glm52"), replay=replay)
+    if replay:  # the engine sampled with the initial weights and these experts: μ is the replayed forward's
+        for s, logp in zip(samples, _initial_logprobs(model, samples, replay=True)):
+            s["rollout_logprobs"] = logp
     mine = [samples[i] for i in shard_by_tokens(samples, world)[rank]]
-    if role == "actor":
+    if role.startswith("actor"):
         # no mismatch masking: the made-up behaviour logprobs are far from the model's (TIS weights still apply)
         algo = AlgorithmConfig(use_reference=False, mask_low=0, mask_high=0, veto=0)
         worker = ActorWorker(path, optim, algo, temperature=1.0, torch_threads=1,
@@ -76,14 +88,15 @@ def test_shards_balance_tokens():
 @pytest.mark.parametrize("role,model,world,zero", [
     ("actor", "tiny-random", 2, 0), ("critic", "tiny-random", 2, 0), ("actor", "tiny-random", 4, 3),
     ("critic", "tiny-random", 4, 3), ("actor", "glm52-tiny", 2, 2), ("actor", "glm52-tiny", 2, 3),
-    ("critic", "glm52-tiny", 2, 3)])
+    ("critic", "glm52-tiny", 2, 3), ("actor-replay", "glm52-tiny", 2, 3)])
 def test_n_ranks_equal_one_rank(role, model, world, zero, tmp_path):
     # The reference is one rank without ZeRO (plain DDP-free training), so a fault of a ZeRO stage itself shows
     # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
     one = train_world(1, model, role, 0, tmp_path)
     many = train_world(world, model, role, zero, tmp_path)
-    prefix = "actor" if role == "actor" else "critic"
-    loss = "actor/loss" if role == "actor" else "critic/value_loss"
+    # actor-replay: the engine's routed experts replayed in every forward (packed rows, ZeRO-3)
+    prefix = "critic" if role == "critic" else "actor"
+    loss = "critic/value_loss" if role == "critic" else "actor/loss"
     assert many["metrics"][loss] == pytest.approx(one["metrics"][loss], rel=1e-5, abs=1e-7)
     assert many["metrics"][f"{prefix}/grad_norm"] == pytest.approx(one["metrics"][f"{prefix}/grad_norm"], rel=1e-4)
     if role == "critic":
@@ -92,15 +105,38 @@ def test_n_ranks_equal_one_rank(role, model, world, zero, tmp_path):
     else:
         for key in ("actor/entropy", "mismatch/train_rollout_logprob_abs_diff"):
             assert many["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+    if role == "actor-replay":  # the workers replayed: their π_old is μ, which their own routing is not
+        samples = global_batch(equal=True, replay=True)
+        replayed = _initial_logprobs(model, samples, replay=True)
+        own = _initial_logprobs(model, samples, replay=False)
+        gap = max(max(abs(a - b) for a, b, m in zip(r, o, s["loss_mask"]) if m)
+                  for r, o, s in zip(replayed, own, samples))
+        assert gap > 1e-2 and one["metrics"]["mismatch/train_rollout_logprob_abs_diff"] < 1e-5
     a, b = one["state"], many["state"]
     assert a.keys() == b.keys() and len(a) > 0
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst < 1e-4, worst  # Adam's first step is ~lr·sign(g): fp32 noise in small gradients shows here
     from models import load_model
 
-    initial = dict(load_model(model, "policy" if role == "actor" else "value").named_parameters())
+    initial = dict(load_model(model, "value" if role == "critic" else "policy").named_parameters())
     moved = max(float((a[k] - initial[k].detach()).abs().max()) for k in a if k in initial)
     assert moved > 100 * max(worst, 1e-7), (moved, worst)  # the step moved the weights: equality is not trivial
+
+
+def _initial_logprobs(model: str, samples: list[dict], replay: bool) -> list[list[float]]:
+    """The initial policy's logprobs of each sample's action tokens (0 elsewhere), with or without its replay."""
+    from models import load_model, policy_logprobs
+
+    policy = load_model(model, "policy").eval()
+    out = []
+    for s in samples:
+        ids = torch.tensor([s["token_ids"]])
+        mask = torch.tensor([s["loss_mask"]], dtype=torch.float32)
+        with torch.no_grad():
+            logp, _ = policy_logprobs(policy, ids, torch.ones_like(ids), only=mask,
+                                      routed_experts=s["routed_experts"][None] if replay else None)
+        out.append(logp[0].tolist())
+    return out
 
 
 def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, ops: list, out: str) -> None:
