@@ -97,9 +97,16 @@ class TokenBatch:
 
 
 def as_token_batch(samples, names: tuple[str, ...]) -> TokenBatch:
-    """A `TokenBatch` as it is, or samples (dicts) turned into one with the fields `names` that they all have."""
+    """A `TokenBatch` as it is, or samples (dicts) turned into one with the fields `names` that they all have; a
+    replay field that only some have is filled in the others (−1: the model routes those itself)."""
     if isinstance(samples, TokenBatch):
         return samples
+    for name in _FILL:
+        having = [s[name] for s in samples if name in s] if name in names else []
+        if having and len(having) < len(samples):
+            trailing = torch.as_tensor(having[0]).shape[1:]
+            samples = [s if name in s else {**s, name: torch.full((len(s["token_ids"]), *trailing), _FILL[name],
+                                                                   dtype=field_dtype(name))} for s in samples]
     present = tuple(n for n in names if samples and all(n in s for s in samples))
     return TokenBatch.from_samples(samples, present)
 

@@ -11,6 +11,8 @@ state at t-1. Position 0 has no prediction and is 0.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +71,10 @@ def policy_logprobs(
     trainer's forward is the engine's (`replay_kwargs`).
     """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    if routed_experts is not None and "routed_experts" not in inspect.signature(backbone.forward).parameters:
+        # transformers' MoE models take **kwargs and would drop it without a word
+        raise ValueError(f"{type(model).__name__} takes no routed-expert replay (engine.return_routed_experts is "
+                         "for GLM-5.2 policies, models/glm5)")
     head = model.get_output_embeddings()
     hidden = backbone(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids), use_cache=False,
                       **replay_kwargs(routed_experts)).last_hidden_state[:, :-1]

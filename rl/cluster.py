@@ -86,7 +86,8 @@ def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Wo
                                      cfg.algorithm.value_clip or None, dtype=cfg.model.dtype, seed=cfg.seed + 1,
                                      torch_threads=threads)
     rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,
-                          max_concurrency=cfg.engine.max_concurrent_episodes + 8)(RolloutWorker).remote(
+                          max_concurrency=cfg.engine.max_concurrent_episodes + 8,
+                          max_restarts=cfg.engine.max_worker_restarts, max_task_retries=0)(RolloutWorker).remote(
         policy, cfg.engine, **rollout_worker_kwargs(cfg), worker_index=i,
         sglang_endpoint=fleet.endpoint() if fleet else None)
         for i in range(cfg.engine.num_workers)]
@@ -134,10 +135,22 @@ def run_episodes(workers: Workers, tasks: list[Task], mode: str, seed: int, desc
     return results  # type: ignore[return-value]
 
 
+def answers(rollout: list, method: str) -> list:
+    """`method` on every rollout worker; the answers of those that are up (one restarting is left out)."""
+    refs = [getattr(w, method).remote() for w in rollout]
+    out = []
+    for i, ref in enumerate(refs):
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError as exc:
+            log.warning("rollout worker %d did not answer %s: %s", i, method, exc)
+    return out
+
+
 def engine_metrics(workers: Workers) -> dict:
     """Request, retry and prefix-cache counters of the SGLang engines, or the LocalEngines' speculative decoding
     counters (summed over rollout workers)."""
-    per_worker = ray.get([w.engine_metrics.remote() for w in workers.rollout])
+    per_worker = answers(workers.rollout, "engine_metrics")
     out: dict = {}
     for m in per_worker:
         for k, v in m.items():
@@ -154,7 +167,9 @@ def engine_metrics(workers: Workers) -> dict:
 
 def guard_metrics(workers: Workers) -> dict:
     """Rates weighted by each worker's calls; latency percentiles as the worst worker's (an upper bound)."""
-    per_worker = ray.get([w.guard_metrics.remote() for w in workers.rollout])
+    per_worker = answers(workers.rollout, "guard_metrics")
+    if not per_worker:
+        return {}
     calls = sum(m["guard/calls"] for m in per_worker) or 1
     out = {"guard/calls": sum(m["guard/calls"] for m in per_worker),
            "guard/judge_failures": sum(m["guard/judge_failures"] for m in per_worker)}

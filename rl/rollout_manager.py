@@ -22,6 +22,12 @@ far any trained token may lag the policy being trained:
 
 Partial rollouts: weight updates reach the engines while episodes run; their generations pause and continue on
 the new weights, each token keeping the version that sampled it (rollout/local_engine.py, rollout/sglang/).
+
+Faults: a rollout worker whose process dies is restarted by Ray (`engine.max_worker_restarts`); the manager
+waits for it, has `on_restart(worker)` bring it to the current weights, and only then gives it episodes again
+(`rollout/workers_restarted`). The episodes that died with it are re-run once elsewhere (`rollout/episodes_lost`);
+one lost a second time is given up and counted (`async/gave_up`). A worker out of restarts is left out; the run
+stops only when none is left.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class Ticket:
     worker: int = -1
     version: int = 0  # the weight version served when it was submitted
     submitted_at: float = 0.0
+    incarnation: int = 0  # the worker's restart count when it was submitted
+    lost: int = 0  # attempts that died with their worker
 
     def rollout_id(self, tag: str) -> str:
         return f"{tag}-{self.index}" + (f"r{self.attempt}" if self.attempt else "")
@@ -66,7 +74,8 @@ def episode_seed(base: int, index: int, batch_size: int) -> int:
 
 class RolloutManager:
     def __init__(self, workers: list, sampler: TaskSampler, batch_size: int, max_staleness: int,
-                 max_concurrent: int, seed: int, tag: str = "ep", start_step: int = 0, version: int = 0):
+                 max_concurrent: int, seed: int, tag: str = "ep", start_step: int = 0, version: int = 0,
+                 on_restart=None, restart_timeout_s: float = 600.0):
         self.workers, self.sampler = list(workers), sampler
         self.batch_size, self.max_staleness, self.max_concurrent = batch_size, max_staleness, max_concurrent
         self.seed, self.tag = seed, tag
@@ -78,11 +87,14 @@ class RolloutManager:
         self._ready: list[tuple[Ticket, Trajectory]] = []  # finished, in completion order
         self._load = [0] * len(self.workers)
         self._dead: set[int] = set()
+        self._restarting: set[int] = set()  # died; Ray restarts them; no episode until on_restart has run
+        self._incarnation = [0] * len(self.workers)
+        self.on_restart, self.restart_timeout_s = on_restart, restart_timeout_s
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._failure: BaseException | None = None
-        self.counts: Counter = Counter()  # dropped_stale, aborted_stale, worker_failures (reset per batch)
+        self.counts: Counter = Counter()  # dropped_stale, aborted_stale, gave_up, lost, restarts (reset per batch)
 
     # ---- the driver's side ----------------------------------------------------------------------------
     def start(self) -> "RolloutManager":
@@ -107,7 +119,8 @@ class RolloutManager:
             metrics = {"async/trainer_idle_s": time.perf_counter() - started, "async/buffer_size": len(self._ready),
                        "async/inflight": len(self._inflight), "async/dropped_stale": counts["dropped_stale"],
                        "async/aborted_stale": counts["aborted_stale"], "async/gave_up": counts["gave_up"],
-                       "async/worker_failures": counts["worker_failures"]}
+                       "rollout/episodes_lost": counts["episodes_lost"],
+                       "rollout/workers_restarted": counts["workers_restarted"]}
         taken.sort(key=lambda pair: pair[0].index)
         trajs = [t for _, t in taken]
         metrics.update(staleness_metrics(trajs, self.version))
@@ -169,7 +182,11 @@ class RolloutManager:
                         return
                     self._submit_admitted()
                     refs = list(self._inflight)
-                    if not refs:
+                    restarting = sorted(self._restarting)
+                for w in restarting:
+                    self._bring_back(w)
+                with self._cond:
+                    if not refs and not self._restarting:
                         self._cond.wait(0.2)
                         continue
                 done, _ = ray.wait(refs, num_returns=1, timeout=0.2)
@@ -194,12 +211,7 @@ class RolloutManager:
             self._load[ticket.worker] -= 1
             if traj is None:
                 if isinstance(error, ray.exceptions.RayActorError):
-                    self._dead.add(ticket.worker)
-                    log.error("rollout worker %d died (%s); its episodes run elsewhere", ticket.worker, error)
-                    if len(self._dead) == len(self.workers):
-                        raise RuntimeError("every rollout worker died") from error
-                    self._requeued.appendleft(dataclasses.replace(ticket, attempt=ticket.attempt + 1))
-                    self.counts["worker_failures"] += 1
+                    self._lost(ticket, error)
                     return
                 traj = Trajectory(ticket.rollout_id(self.tag), ticket.task.id, [], finish_reason="error",
                                   domain=ticket.task.domain, grade_details={"error": repr(error)})
@@ -208,6 +220,50 @@ class RolloutManager:
                 self._rerun_stale(ticket)
             else:
                 self._ready.append((ticket, traj))
+            self._cond.notify_all()
+
+    def _lost(self, ticket: Ticket, error: BaseException) -> None:
+        """An episode that died with its worker (the caller holds the lock): re-run once, the worker restarted."""
+        w = ticket.worker
+        if ticket.incarnation == self._incarnation[w] and w not in self._dead:  # the first news of this death
+            self._incarnation[w] += 1
+            self._restarting.add(w)
+            log.error("rollout worker %d died (%s); restarting it, its episodes run again", w, error)
+        self.counts["episodes_lost"] += 1
+        if ticket.lost >= 1:
+            self.counts["gave_up"] += 1
+            log.warning("task %s: lost with its worker twice; given up", ticket.task.id)
+            return
+        self._requeued.appendleft(dataclasses.replace(ticket, attempt=ticket.attempt + 1, lost=ticket.lost + 1))
+
+    def _bring_back(self, w: int) -> None:
+        """Wait for Ray to restart worker w, bring it to the current weights (`on_restart`), give it work again;
+        a worker out of restarts (or that does not come back) is left out for the rest of the run."""
+        deadline = time.monotonic() + self.restart_timeout_s
+        try:
+            while True:  # "unavailable" while Ray restarts it; "died" when it is out of restarts
+                try:
+                    ray.get(self.workers[w].health.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+            if self.on_restart is not None:
+                self.on_restart(w)
+        except Exception as exc:  # ActorDiedError: out of restarts; GetTimeoutError: it did not come back
+            with self._cond:
+                self._restarting.discard(w)
+                self._dead.add(w)
+                log.error("rollout worker %d is gone for good (%s); %d left", w, exc,
+                          len(self.workers) - len(self._dead))
+                if len(self._dead) == len(self.workers):
+                    raise RuntimeError("every rollout worker died") from exc
+            return
+        with self._cond:
+            self._restarting.discard(w)
+            self.counts["workers_restarted"] += 1
+            log.warning("rollout worker %d restarted with weight version %d", w, self.version)
             self._cond.notify_all()
 
     def _drop_stale(self) -> None:
@@ -236,7 +292,9 @@ class RolloutManager:
 
     def _submit_admitted(self) -> None:
         """Start every admitted episode that a worker has room for (the caller holds the lock)."""
-        live = [w for w in range(len(self.workers)) if w not in self._dead]
+        live = [w for w in range(len(self.workers)) if w not in self._dead and w not in self._restarting]
+        if not live:
+            return
         while True:
             if self._requeued:
                 ticket = self._requeued[0]
@@ -257,6 +315,7 @@ class RolloutManager:
                 return
             self._requeued.popleft()
             ticket.worker, ticket.version, ticket.submitted_at = worker, self.version, time.perf_counter()
+            ticket.incarnation = self._incarnation[worker]
             ref = self.workers[worker].run_episode.remote(ticket.task, "train", ticket.seed, ticket.rollout_id(self.tag))
             self._inflight[ref] = ticket
             self._load[worker] += 1

@@ -131,7 +131,8 @@ def train(cfg: Config) -> dict:
         w.sync.push(state.get("weight_version", start))
         log.info("resumed from %s at step %d", resume_from, start)
     rollouts = RolloutManager(w.rollout, sampler, t.episodes_per_step, t.max_staleness,
-                              cfg.engine.max_concurrent_episodes, cfg.seed, start_step=start, version=w.weight_version)
+                              cfg.engine.max_concurrent_episodes, cfg.seed, start_step=start, version=w.weight_version,
+                              on_restart=w.sync.refresh)
     if state is not None:
         rollouts.load_state_dict(state.get("rollout", state), train_tasks)
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,8 +46,13 @@ class WeightSync:
 
     def __init__(self, workers: "Workers", bucket_mb: int, verify: bool):
         self.workers, self.bucket_mb, self.verify = workers, bucket_mb, verify
+        self.lock = threading.RLock()  # a push and a restarted worker's refresh never interleave
 
     def push(self, version: int) -> dict:
+        raise NotImplementedError
+
+    def refresh(self, worker: int) -> None:
+        """Bring rollout worker `worker`, just restarted, to the version the others serve."""
         raise NotImplementedError
 
 
@@ -56,20 +62,49 @@ class ObjectStoreSync(WeightSync):
     def push(self, version: int) -> dict:
         w = self.workers
         started = time.perf_counter()
-        refs = w.actor.weight_bucket_refs(self.bucket_mb)
-        sizes = ray.get([r.receive_bucket.remote(ref) for r in w.rollout for ref in refs])
-        versions = ray.get([r.commit_weights.remote(version) for r in w.rollout])
-        w.weight_version = version
+        with self.lock:
+            refs = w.actor.weight_bucket_refs(self.bucket_mb)
+            sent = self._apply(range(len(w.rollout)), refs, version)
+            reached = [i for i, size in sent.items() if size is not None]
+            w.weight_version = version
+        if not reached:
+            raise RuntimeError(f"weight sync to version {version}: no rollout worker is alive")
         out = {"perf/weight_sync_s": time.perf_counter() - started,
-               "perf/weight_sync_mb": sum(sizes) / max(len(w.rollout), 1) / 2**20,
-               "perf/weight_sync_buckets": len(refs),
-               "rollout/weight_version": min(v["weight_version"] for v in versions)}
+               "perf/weight_sync_mb": sum(sent[i] for i in reached) / len(reached) / 2**20,
+               "perf/weight_sync_buckets": len(refs), "rollout/weight_version": version}
         if self.verify:
             trainer = {k: v for ref in refs for k, v in ray.get(ref).items()}
             diffs = [max(float((engine[k] - t).abs().max()) for k, t in trainer.items())
-                     for engine in ray.get([r.engine_weights.remote() for r in w.rollout])]
+                     for engine in ray.get([w.rollout[i].engine_weights.remote() for i in reached])]
             out["perf/weight_sync_max_abs_diff"] = max(diffs)
         return out
+
+    def refresh(self, worker: int) -> None:
+        with self.lock:
+            refs = self.workers.actor.weight_bucket_refs(self.bucket_mb)
+            if self._apply([worker], refs, self.workers.weight_version)[worker] is None:
+                raise RuntimeError(f"rollout worker {worker} died again while it received the weights")
+
+    def _apply(self, indices, refs: list, version: int) -> dict[int, int | None]:
+        """The buckets to the rollout workers `indices` (all at once), each applying them at once; per worker the
+        bytes it took, or None when it is down (once Ray has restarted it, `refresh` gives it the current weights:
+        rl/rollout_manager.py)."""
+        rollout = self.workers.rollout
+        received = {i: [rollout[i].receive_bucket.remote(ref) for ref in refs] for i in indices}
+        sizes = {i: self._answer(i, lambda got=got: sum(ray.get(got))) for i, got in received.items()}
+        commits = {i: rollout[i].commit_weights.remote(version) for i, size in sizes.items() if size is not None}
+        for i, ref in commits.items():
+            if self._answer(i, lambda ref=ref: ray.get(ref)) is None:
+                sizes[i] = None
+        return sizes
+
+    @staticmethod
+    def _answer(i: int, get):
+        try:
+            return get()
+        except ray.exceptions.RayActorError as exc:
+            log.error("weight sync: rollout worker %d is down (%s); it gets the weights when it is back", i, exc)
+            return None
 
 
 class SGLangSync(WeightSync):
@@ -86,6 +121,11 @@ class SGLangSync(WeightSync):
 
     def send(self, urls: list[str], version: int, fresh: bool) -> dict:
         raise NotImplementedError
+
+    def refresh(self, worker: int) -> None:
+        """A restarted rollout worker holds no weights (the servers do): it learns the version they serve."""
+        with self.fleet.sync_lock:
+            ray.get(self.workers.rollout[worker].set_weight_version.remote(self.workers.weight_version))
 
     def push(self, version: int, urls: list[str] | None = None, fresh: bool = False) -> dict:
         """To every server (or `urls`, e.g. the restarted ones; `fresh`: a new process group if there is one)."""
@@ -243,8 +283,8 @@ def verify_sglang_logprobs(actor, urls: list[str], temperature: float = 1.0) -> 
 
     from rollout.sglang.client import SGLangClient
 
-    shapes = actor.parameter_shapes()
-    vocab = min(shape[0] for name, shape in shapes.items() if "embed" in name and len(shape) == 2)
+    embeddings = [shape[0] for name, shape in actor.parameter_shapes().items() if "embed" in name and len(shape) == 2]
+    vocab = min([1000, *embeddings])  # ids every vocabulary has
     probe = torch.randint(0, vocab, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = actor.compute_logprobs([{"token_ids": probe, "loss_mask": [0] + [1] * (PROBE_TOKENS - 1)}]).result()
     ours = ours["old_logprobs"][0][1:]
@@ -262,7 +302,11 @@ def verify_sglang_logprobs(actor, urls: list[str], temperature: float = 1.0) -> 
     async def all_servers():
         return await asyncio.gather(*(theirs(u) for u in urls))
 
-    worst = max(float((got - ours).abs().mean()) for got in asyncio.run(all_servers()))
+    try:
+        worst = max(float((got - ours).abs().mean()) for got in asyncio.run(all_servers()))
+    except Exception as exc:  # a server down or restarting: the check is lost for this sync, not the run
+        log.error("verify_weight_sync: the logprob probe failed: %s", exc)
+        return float("nan")
     if worst > PROBE_MEAN_TOLERANCE:
         log.error("verify_weight_sync: a server's logprobs on the probe differ from the trainer's by %.4f on average "
                   "(tolerance %.2f): its weights are not the trainer's", worst, PROBE_MEAN_TOLERANCE)

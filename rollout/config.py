@@ -56,6 +56,9 @@ class EngineConfig:
     gpus_per_worker: float = 0.0  # Ray GPU share of each rollout worker (fractions colocate it with the trainer)
     torch_threads: int = 0  # 0: all cores of the worker
     max_concurrent_episodes: int = 32  # per worker
+    # a rollout worker whose process dies is restarted (by Ray) this many times over the run, each time with the
+    # current weights; its episodes in flight run again elsewhere (rl/rollout_manager.py)
+    max_worker_restarts: int = 3
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

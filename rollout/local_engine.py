@@ -81,7 +81,7 @@ class LocalEngine:
             raise ValueError(f"engine.return_routed_experts: {type(model).__name__} reports no expert routing "
                              "(a MoE policy such as GLM-5.2 does)")
         # the model's keyword for its routing, and the layer count of the routing it reports
-        self._routing_kw = {"return_routing": True} if return_routed_experts else {}
+        self._routing_kw = {"return_routing": "experts"} if return_routed_experts else {}
         self._num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)
         # > 0: draft this many tokens per round with the model's MTP layer (GLM-5.2) and verify them at once
         self.speculative_steps = speculative_steps
@@ -333,7 +333,7 @@ class LocalEngine:
                    for i, r in enumerate(b.requests)]
         if self.return_routed_experts:  # every position run, in order; a finished row's later steps cut off
             for i, (r, result) in enumerate(zip(b.requests, results)):
-                ran = len(r.input_ids) + max(len(b.out_ids[i]) - 1, 0)
+                ran = len(r.input_ids) + len(b.out_ids[i]) - 1
                 result.meta["routed_experts"] = torch.cat(b.routing[i])[:ran].numpy()
         return results
 

@@ -13,6 +13,9 @@ entries must not repeat (a repeated key would be attended twice).
 With `return_routing=True` the output carries the same two dicts as computed (or replayed), canonicalised: every
 slot the query could not attend to is −1, and layers whose keys all fit in top-k list their full causal prefix.
 
+`return_routing="experts"`: the expert ids only (what an engine reports for replay; the indexer's selections are
+large and are not materialised).
+
 **Gradient checkpointing** recomputes each layer in the backward; the recompute *replays* the selections and
 expert ids of the first pass (docs/GLM52.md §4.4: never re-select during recompute, a flip would change the graph).
 
@@ -152,7 +155,7 @@ class Glm5Model(nn.Module):
                 h, loss_sum, loss_n = self._run_layer(layer, h, ctx, carry, replay_t, replay_e, record)
             if layer.has_indexer:
                 carry = record["selection"]
-                if return_routing:
+                if return_routing and return_routing != "experts":
                     topk_out[i] = materialize_selection(carry, query_index, key_mask, record["num_keys"],
                                                         query_start)
                 if loss_sum is not None:

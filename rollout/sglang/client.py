@@ -13,6 +13,7 @@ retried on another server) and `SGLangError` (the server answered and refused: r
 from __future__ import annotations
 
 import base64
+import logging
 from typing import Any
 
 import httpx
@@ -21,6 +22,7 @@ import numpy as np
 from rollout.types import GenerateResult, SamplingParams
 
 SGLANG_VERSION = "0.5.17"
+log = logging.getLogger(__name__)
 
 
 class SGLangError(RuntimeError):
@@ -117,7 +119,10 @@ def parse_generate(body: dict, replay_top_k: dict[str, int] | None = None) -> Ge
     positions = int(meta_in.get("prompt_tokens") or 0) + len(output_ids) - 1
     for key, top_k in (replay_top_k or {}).items():
         if meta_in.get(key):
-            meta[key] = decode_replay(meta_in[key], positions, top_k)
+            try:
+                meta[key] = decode_replay(meta_in[key], positions, top_k)
+            except SGLangError as exc:  # the tokens are good: train them on the model's own choices there
+                log.warning("request %s: %s; not replayed", meta_in.get("id"), exc)
     return GenerateResult(output_ids, logprobs, finish, meta)
 
 

@@ -200,3 +200,50 @@ def test_two_ranks_per_model_then_resume_on_one(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["async/staleness_max"] <= 1 and r["rollout/weight_version"] == r["step"] for r in records[1:])
     assert records[2]["async/staleness_max"] == 1  # the batch's episodes started before step 2's update
+
+
+def _rollout_worker_pids() -> list[int]:
+    """Processes of Ray's RolloutWorker actors (Ray titles an actor's process `ray::RolloutWorker...`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"ray::RolloutWorker"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_killed_rollout_worker_is_restarted_and_the_run_goes_on(tmp_path):
+    """Fault injection: SIGKILL to the rollout worker's process while step 1's episodes run. Ray restarts it, it
+    gets the current weights before any new episode, the episodes lost with it run again once, and the run
+    trains both steps on full batches."""
+    import threading
+
+    from rl.train import train
+
+    killed: list[int] = []
+
+    def killer():
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            pids = _rollout_worker_pids()
+            if pids:
+                time.sleep(6.0)  # the worker loads, then the first episodes start
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    final = train(config(f"output_dir={tmp_path}", "trainer.eval_at_start=false", "logging.wandb_mode=disabled",
+                         "trainer.verify_weight_sync=true"))
+    thread.join(timeout=5)
+    assert killed, "the rollout worker was never found"
+    records = read_metrics(tmp_path / "coding_ppo_tiny" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2] and all(r["rollout/episodes"] == 4 for r in records)
+    assert sum(r["rollout/workers_restarted"] for r in records) == 1
+    assert all(r["perf/weight_sync_max_abs_diff"] == 0.0 for r in records)  # the restarted engine is in step
+    assert killed[0] not in _rollout_worker_pids() and math.isfinite(final["actor/grad_norm"])

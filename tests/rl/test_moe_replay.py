@@ -218,3 +218,18 @@ def test_sglang_routing_reaches_the_trainer(glm_path, engine_model, tmp_path):
                                                           engine_model.config.num_experts_per_tok)
     samples = to_samples([Trajectory("s0", "t0", [segment])])
     assert max_diff(perturbed_router(engine_model), samples, replay=True, packed=True) < 1e-5
+
+
+def test_replay_is_refused_by_a_model_that_cannot_take_it_and_filled_where_missing(tiny_model, trajectories):
+    """transformers' models take **kwargs and would drop the replay without a word: refused instead. Samples of
+    which only some carry routing (per-trajectory batches) become one batch with −1 rows for the others."""
+    from models.batching import as_token_batch
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="no routed-expert replay"):
+        policy_logprobs(tiny_model, ids, torch.ones_like(ids), routed_experts=torch.zeros(1, 4, 2, 2))
+    with_routing = to_samples(trajectories[:1])
+    without = [{k: v for k, v in s.items() if k != "routed_experts"} for s in to_samples(trajectories[1:2])]
+    batch = as_token_batch(with_routing + without, ("loss_mask", "routed_experts"))
+    assert batch.has("routed_experts") and (batch.sample(1, "routed_experts") == -1).all()
+    assert (batch.sample(0, "routed_experts") == with_routing[0]["routed_experts"]).all()

@@ -4,6 +4,8 @@ the episodes are fakes that stamp every token with the weight version the worker
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections import Counter
 
 import pytest
@@ -21,8 +23,10 @@ class SkewedWorker:
     """Episode i takes `ticks[i % len(ticks)]` ticks of `tick_s`; an index in `gated` (first attempt only)
     waits, after its first token, until `release()` or an abort. Tokens carry the version at their tick."""
 
-    def __init__(self, ticks: list[int], gated: list[int], tick_s: float = 0.01, gate_retries: bool = False):
+    def __init__(self, ticks: list[int], gated: list[int], tick_s: float = 0.01, gate_retries: bool = False,
+                 die_at: int = -1, die_flag: str = ""):
         self.ticks, self.gated, self.tick_s, self.gate_retries = ticks, set(gated), tick_s, gate_retries
+        self.die_at, self.die_flag = die_at, die_flag  # the process exits at episode `die_at`, once (a flag file)
         self.version = 0
         self.log: list[dict] = []
         self.aborts: dict[str, str] = {}
@@ -33,6 +37,10 @@ class SkewedWorker:
         retry = "r" in rollout_id.split("-")[1]
         self.log.append({"event": "start", "id": rollout_id, "index": index, "seed": seed, "task": task.id,
                          "version": self.version})
+        if index == self.die_at and not os.path.exists(self.die_flag):
+            open(self.die_flag, "w").close()
+            await asyncio.sleep(0.05)
+            os._exit(1)  # the whole process, with every episode in flight on it
         versions = []
         for tick in range(TOKENS):
             if rollout_id in self.aborts:
@@ -58,6 +66,9 @@ class SkewedWorker:
     def set_version(self, version):
         self.version = version
 
+    def health(self):
+        return {"version": self.version}
+
     def release(self):
         self.released = True
 
@@ -72,7 +83,7 @@ def ray_session():
     ray.shutdown()
 
 
-def train_steps(manager, workers, steps, on_batch=None):
+def train_steps(manager, workers, steps, on_batch=None, sync=None):
     """The driver's loop without a model: take a batch, 'train' (a weight version more everywhere), release."""
     batches = []
     for step in range(steps):
@@ -80,7 +91,10 @@ def train_steps(manager, workers, steps, on_batch=None):
         batches.append((trajs, metrics, manager.version))
         if on_batch:
             on_batch(step)
-        ray.get([w.set_version.remote(step + 1) for w in workers])
+        if sync:
+            sync(step + 1)
+        else:
+            ray.get([w.set_version.remote(step + 1) for w in workers])
         manager.step_done(step + 1)
     return batches
 
@@ -188,3 +202,42 @@ def test_a_task_that_always_outlasts_the_bound_is_given_up_and_counted(ray_sessi
     assert sum(m["async/gave_up"] for _, m, _ in batches) == 1
     trained = [t.rollout_id for trajs, _, _ in batches for t in trajs]
     assert not [r for r in trained if r.startswith("ep-2")]  # none of its attempts was trained on
+
+
+def test_a_worker_that_dies_is_restarted_with_the_weights_and_no_episode_is_lost_or_repeated(
+        ray_session, shipped_tasks, tmp_path):
+    """A rollout worker's process exits mid-episode with others in flight: Ray restarts it, the manager has it
+    brought to the current version before it gets work again, the episodes that died with it run once more, and
+    every task drawn is trained on exactly once."""
+    tasks = shipped_tasks.split("train")
+    flag = str(tmp_path / "died")
+    workers = [SkewedWorker.options(max_restarts=1, max_task_retries=0).remote([4, 6], [], die_at=5, die_flag=flag)
+               for _ in range(2)]
+    restored, lock, served = [], threading.Lock(), [0]
+
+    def sync(version):  # ObjectStoreSync.push: every worker that is up gets the version; one restarting does not
+        with lock:
+            for w in workers:
+                try:
+                    ray.get(w.set_version.remote(version))
+                except ray.exceptions.RayActorError:
+                    pass
+            served[0] = version
+
+    def on_restart(w):  # ObjectStoreSync.refresh: the restarted worker gets the version the others serve
+        with lock:
+            ray.get(workers[w].set_version.remote(served[0]))
+            restored.append((w, served[0]))
+
+    manager = RolloutManager(workers, TaskSampler(tasks, 2), 4, 1, 8, seed=0, on_restart=on_restart).start()
+    batches = train_steps(manager, workers, 4, sync=sync)
+    manager.stop()
+    assert os.path.exists(flag)
+    trained = sorted(int(t.rollout_id.split("-")[1].split("r")[0]) for trajs, _, _ in batches for t in trajs)
+    assert trained == list(range(16))  # every ticket once: none lost, none twice
+    lost = sum(m["rollout/episodes_lost"] for _, m, _ in batches)
+    assert lost >= 1 and sum(m["rollout/workers_restarted"] for _, m, _ in batches) == 1
+    assert len(restored) == 1
+    died, version = restored[0]
+    starts = [e for e in ray.get(workers[died].events.remote()) if e["event"] == "start"]
+    assert starts and all(e["version"] >= version for e in starts)  # the new process ran nothing on old weights
