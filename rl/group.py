@@ -28,17 +28,38 @@ from models.training import DistEnv
 CPU_PER_RANK = 0.01
 
 
+class TrainerRankDied(RuntimeError):
+    """A rank of a trainer group died: its DeepSpeed world cannot go on (the others would wait in a collective)."""
+
+
+def gather(refs: list, role: str) -> list:
+    """Every rank's answer. A rank that dies ends the wait at once with TrainerRankDied (the other ranks would sit
+    in their next collective until its timeout), saying how to continue."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayActorError as exc:
+            article = "an" if role[:1] in "aeiou" else "a"
+            raise TrainerRankDied(
+                f"{article} {role} rank died ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); the run stops. "
+                "resume=true continues from the last checkpoint (trainer.save_every sets how often one is written)"
+            ) from exc
+    return ray.get(refs)
+
+
 class Pending:
     """Calls in flight on every rank of a group; `result()` waits for them and shapes their answers."""
 
-    def __init__(self, refs: list, finish):
-        self.refs, self.finish = refs, finish
+    def __init__(self, refs: list, finish, role: str = "trainer"):
+        self.refs, self.finish, self.role = refs, finish, role
         self._answer, self._done = None, False
 
     def wait(self) -> "Pending":
         """Wait now (before starting anything else); `result()` then returns at once."""
         if not self._done:
-            self._answer, self._done = self.finish(ray.get(self.refs)), True
+            self._answer, self._done = self.finish(gather(self.refs, self.role)), True
         return self
 
     def result(self):
@@ -79,7 +100,7 @@ class TrainerGroup:
 
     # ---- every rank, one answer ---------------------------------------------------------------------------------
     def _all(self, method: str, *args, **kwargs) -> list:
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers], self.role)
 
     def _sharded(self, method: str, samples: list[dict], fields: tuple[str, ...], *args,
                  finish=lambda shards, results: results) -> "Pending":
@@ -88,7 +109,7 @@ class TrainerGroup:
         batch = as_token_batch(samples, fields)
         shards = [(indices, batch.select(indices)) for indices in shard_by_tokens(batch, self.ranks)]
         refs = [getattr(w, method).remote(shard, *args) for w, (_, shard) in zip(self.workers, shards)]
-        return Pending(refs, lambda results: finish(shards, results))
+        return Pending(refs, lambda results: finish(shards, results), self.role)
 
     @staticmethod
     def _per_sample(count: int, shards: list, flats: list[torch.Tensor]) -> list[torch.Tensor]:

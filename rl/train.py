@@ -26,6 +26,7 @@ from rl.checkpoint import Checkpointer
 from rl.cluster import Workers, engine_metrics, guard_metrics, run_episodes, spawn, start_ray
 from rl.config import Config, overlaps_models, register_configs, validate
 from rl.data import TaskSampler
+from rl.group import TrainerRankDied
 from rl.loop import BackgroundEval, TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
 from rl.metrics import MetricsLogger, plot_curves
 from rl.rollout_manager import RolloutManager
@@ -207,7 +208,11 @@ register_configs()
 
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def main(dcfg: DictConfig) -> None:
-    train(OmegaConf.to_object(dcfg))
+    try:
+        train(OmegaConf.to_object(dcfg))
+    except TrainerRankDied as exc:  # the message says how to go on; the traceback adds nothing
+        log.error("%s", exc)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -30,6 +31,8 @@ from rollout.sampling import processed_logprobs, sample, verify_drafts
 from rollout.types import GenerateResult, SamplingParams
 
 _STOP_WINDOW = 16  # tokens decoded to look for stop strings
+SERVE_RESTARTS = 5  # failures of the serving loop in a row before the engine gives up
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -222,6 +225,30 @@ class LocalEngine:
 
     # ---- the serving thread --------------------------------------------------------------------------
     def _serve(self) -> None:
+        """The serving loop, restarted in place when it fails outside a batch (a batch's own failure already goes
+        to its callers): the model and its weights are intact, and the requests queued are served by the new
+        loop. After SERVE_RESTARTS failures in a row the engine closes, failing what is queued, rather than spin."""
+        failures, served = 0, -1
+        while True:
+            try:
+                self._serve_loop()
+                return
+            except Exception as exc:
+                failures = 1 if self.stats["batches"] != served else failures + 1  # a batch since: not in a row
+                served = self.stats["batches"]
+                self.stats["restarts"] = self.stats.get("restarts", 0) + 1
+                log.exception("LocalEngine: the serving loop failed (%d in a row); %s", failures,
+                              "restarting it" if failures < SERVE_RESTARTS else "closing the engine")
+                if failures >= SERVE_RESTARTS:
+                    with self._cond:
+                        self._closed = True
+                        pending = list(self._queue)
+                        self._queue.clear()
+                    for request in pending:
+                        request.loop.call_soon_threadsafe(_set_exception, request.future, exc)
+                    return
+
+    def _serve_loop(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and (self._paused or not self._queue):

@@ -36,13 +36,13 @@ class ScriptedEngine:
         return GenerateResult(ids, [-0.25] * len(ids), "stop", {"weight_version": self.weight_version})
 
 
-def episode(tokenizer, task, replies, **agent):
+def episode(tokenizer, task, replies, guard=None, **agent):
     cfg = AgentConfig(**{"context_window": 4096, "max_turns": 6, "max_new_tokens": 200,
                          "max_episode_tokens": 4000, **agent})
     cfg.validate()
     engine = ScriptedEngine(tokenizer, replies)
     rt = EpisodeRuntime(engine, tokenizer, make_chat_format("chatml"), make_tool_parser("json", TOOL_SPECS),
-                        Guard(), cfg)
+                        guard or Guard(), cfg)
     traj = asyncio.run(AgentEpisode(rt, task, SamplingParams(), "rid-1").run())
     return traj, engine
 
@@ -249,3 +249,34 @@ def test_an_episode_past_its_timeout_is_aborted_and_not_graded(tokenizer, task_b
     assert traj.finish_reason == "aborted" and traj.grade_details["aborted"] == "timeout"
     assert engine.aborted == ["slow-1-1"] and traj.reward == 0.0 and "tests" not in traj.grade_details
     assert worker._episodes == {}
+
+
+def test_a_sandbox_killed_mid_episode_costs_a_call_not_the_episode(tokenizer, task_by_id):
+    """Fault injection: the agent kills every process of its sandbox (pid 1 of its namespace included; the guard
+    is off, as it would block the call). The call after it gets an observation (the sandbox came back, or an
+    error saying it failed), the episode goes on to submit, and grading in a fresh sandbox still sees the work."""
+    task = task_by_id["add_two_numbers"]
+    traj, _ = episode(tokenizer, task, [
+        call("write_file", path="solution.py", content=SOLUTION), call("bash", command="kill -9 -1; kill -9 1"),
+        call("run_tests"), call("submit")], guard=Guard(enabled=False))
+    assert traj.finish_reason == "submitted" and traj.num_tool_calls == 4 and traj.num_guard_blocks == 0
+    observed = text_of(tokenizer, traj.segments[0], 0)
+    assert "passed" in observed or "Error: the sandbox failed" in observed  # the call after the kill answered
+    assert "error" not in traj.grade_details and traj.reward == 1.0 and traj.passed
+
+
+def test_a_grader_that_crashes_makes_an_error_trajectory_that_is_not_trained(tokenizer, task_by_id, monkeypatch):
+    """Fault injection: grading raises. The episode ends as an error with the reason, and the trainer drops and
+    counts it (rl.batch.trainable) instead of training on a reward it never got."""
+    import rollout.agent
+    from rl.batch import trainable
+
+    def crash(*args, **kwargs):
+        raise OSError("injected: the grading sandbox died")
+
+    monkeypatch.setattr(rollout.agent, "grade", crash)
+    task = task_by_id["add_two_numbers"]
+    traj, _ = episode(tokenizer, task, [call("write_file", path="solution.py", content=SOLUTION), call("submit")])
+    assert traj.finish_reason == "error" and "injected" in traj.grade_details["error"] and traj.reward == 0.0
+    kept, dropped = trainable([traj])
+    assert kept == [] and dropped["error"] == 1

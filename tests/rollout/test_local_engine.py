@@ -137,3 +137,38 @@ def test_abort_and_health(engine):
         return await task, await engine.health()
     res, health = run(go())
     assert res.finish_reason == "abort" and health["ok"]
+
+
+def test_a_failed_serving_loop_is_restarted_and_serves_what_was_queued(tiny_model, monkeypatch):
+    """Fault injection: the serving loop fails outside a batch (where no caller would hear of it). It restarts in
+    place, with the model as it was, and the requests go on being served; a loop that keeps failing closes the
+    engine and fails its requests instead of hanging them."""
+    import rollout.local_engine as le
+
+    real_sleep, failures = le.time.sleep, []
+
+    def failing_sleep(seconds):
+        if len(failures) < 1:
+            failures.append(seconds)
+            raise RuntimeError("injected: the serving loop dies")
+        real_sleep(seconds)
+
+    monkeypatch.setattr(le.time, "sleep", failing_sleep)
+    engine = LocalEngine(tiny_model, max_batch_size=4)
+    try:
+        async def go():
+            return await asyncio.gather(*(engine.generate([1, 2, 3 + i], SamplingParams(max_new_tokens=5, seed=i))
+                                          for i in range(3)))
+
+        results = asyncio.run(asyncio.wait_for(go(), 120))
+        assert failures and engine.stats["restarts"] == 1 and engine._thread.is_alive()
+        assert all(len(r.output_ids) == 5 for r in results)
+    finally:
+        engine.close()
+
+    monkeypatch.setattr(le.time, "sleep", lambda s: (_ for _ in ()).throw(RuntimeError("always fails")))
+    broken = LocalEngine(tiny_model, max_batch_size=4)
+    with pytest.raises(RuntimeError):
+        asyncio.run(asyncio.wait_for(broken.generate([1, 2, 3], SamplingParams(max_new_tokens=3)), 60))
+    assert broken.stats["restarts"] == le.SERVE_RESTARTS
+    broken.close()
