@@ -20,7 +20,9 @@ import ctypes
 import fcntl
 import functools
 import json
+import logging
 import os
+import platform
 import resource
 import select
 import shutil
@@ -34,7 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from environments.seccomp import open_program
 from environments.types import ExecResult
+
+log = logging.getLogger(__name__)
 
 SANDBOX_ROOT = Path(os.environ.get("RL_SANDBOX_ROOT", "/tmp/agentic-rl-sandboxes"))
 UID_RANGE = range(61000, 62000)
@@ -243,9 +248,9 @@ class BwrapSandbox(Sandbox):
         with self._lock:
             self._stop_executor()
 
-    def _command(self, argv: list[str]) -> list[str]:
+    def _command(self, argv: list[str], seccomp_fd: int | None = None) -> list[str]:
         """One bwrap per call: the namespaces, then the rlimits and the uid switch by helper programs."""
-        cmd = self._bwrap_args()
+        cmd = self._bwrap_args(seccomp_fd)
         cmd += self._limits_prefix()
         if self._lease:
             uid = str(self._lease.uid)
@@ -253,10 +258,13 @@ class BwrapSandbox(Sandbox):
                     "--inh-caps=-all", "--bounding-set=-all"]
         return cmd + argv
 
-    def _bwrap_args(self) -> list[str]:
-        """bwrap up to the command: namespaces, the read-only system, /tmp, /proc, /dev, the workspace, env."""
+    def _bwrap_args(self, seccomp_fd: int | None = None) -> list[str]:
+        """bwrap up to the command: namespaces, the seccomp filter (environments/seccomp.py: no new namespaces
+        inside), the read-only system, /tmp, /proc, /dev, the workspace, env."""
         cmd = [self._bwrap, "--die-with-parent", "--new-session", "--clearenv",
                "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        if seccomp_fd is not None:
+            cmd += ["--seccomp", str(seccomp_fd)]
         if not self._as_root:
             cmd.append("--unshare-user")
         cmd += ["--ro-bind", "/usr", "/usr"]
@@ -295,7 +303,8 @@ class BwrapSandbox(Sandbox):
     # ---- the resident executor (as root) ---------------------------------------------------------------------
     def _start_executor(self) -> None:
         config = {"uid": self._lease.uid, "io": _EXECUTOR_IO, "limits": self._rlimits()}
-        cmd = self._bwrap_args() + ["--bind", str(self._io), _EXECUTOR_IO, "--ro-bind", _EXECUTOR, "/.sandbox-executor",
+        seccomp_fd = _seccomp_fd()
+        cmd = self._bwrap_args(seccomp_fd) + ["--bind", str(self._io), _EXECUTOR_IO, "--ro-bind", _EXECUTOR, "/.sandbox-executor",
                                     "--cap-drop", "ALL"]
         for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_SETPCAP"):
             cmd += ["--cap-add", cap]
@@ -304,8 +313,12 @@ class BwrapSandbox(Sandbox):
             # Started from one long-lived thread: bwrap's --die-with-parent follows the *thread* that started it,
             # and a sandbox outlives the pool thread that made it. So the sandbox dies with this process (or
             # when bwrap is killed), never with a thread.
-            self._executor = _spawner().submit(subprocess.Popen, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                               stderr=log, start_new_session=True).result()
+            try:
+                self._executor = _spawner().submit(subprocess.Popen, cmd, stdin=subprocess.PIPE,
+                                                   stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+                                                   pass_fds=_fds(seccomp_fd)).result()
+            finally:
+                _close(seccomp_fd)
         self._executor_ready = False
         self._pending = b""
 
@@ -390,9 +403,14 @@ class BwrapSandbox(Sandbox):
         started = time.perf_counter()
         timed_out = False
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(self._command(argv), stdin=subprocess.PIPE if stdin is not None else
-                                    subprocess.DEVNULL, stdout=out, stderr=err,
-                                    preexec_fn=None if _PRLIMIT else self._set_limits, start_new_session=True)
+            seccomp_fd = _seccomp_fd()
+            try:
+                proc = subprocess.Popen(self._command(argv, seccomp_fd), stdin=subprocess.PIPE if stdin is not None
+                                        else subprocess.DEVNULL, stdout=out, stderr=err,
+                                        preexec_fn=None if _PRLIMIT else self._set_limits, start_new_session=True,
+                                        pass_fds=_fds(seccomp_fd))
+            finally:
+                _close(seccomp_fd)
             try:
                 proc.communicate(input=stdin.encode() if stdin is not None else None, timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -433,6 +451,28 @@ class BwrapSandbox(Sandbox):
 def _spawner() -> ThreadPoolExecutor:
     """The thread that starts the resident sandboxes' bwrap processes; it lives as long as the process."""
     return ThreadPoolExecutor(1, thread_name_prefix="bwrap-spawner")
+
+
+def _seccomp_fd() -> int | None:
+    """A read end holding the seccomp filter for one bwrap; None (said once) where there is no filter."""
+    fd = open_program()
+    if fd is None and not _NO_SECCOMP_SAID:
+        _NO_SECCOMP_SAID.append(True)
+        log.warning("no seccomp filter for %s: namespace creation inside the bwrap sandbox is not refused",
+                    platform.machine())
+    return fd
+
+
+_NO_SECCOMP_SAID: list = []
+
+
+def _fds(fd: int | None) -> tuple[int, ...]:
+    return () if fd is None else (fd,)
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

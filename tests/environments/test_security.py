@@ -128,6 +128,48 @@ def test_writing_outside_the_workspace_fails_and_the_host_is_untouched(make):
     assert collect_files(box.workspace) == {"ok": "", "real.txt": "mine\n"}
 
 
+NAMESPACE_PROBE = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+nr = NUMBERS
+def call(name, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(nr[name], *[ctypes.c_long(a) for a in args])
+    if r == 0 and name == "clone":  # the child of a clone that went through: leave at once
+        os._exit(0)
+    return f"{name}={r}/{ctypes.get_errno()}"
+print(" ".join([call("unshare", 0x10000000), call("unshare", 0x20000), call("unshare", 0x40000000),
+                call("clone", 0x10000000 | 17, 0, 0, 0, 0), call("clone", 0x20000000 | 17, 0, 0, 0, 0),
+                call("setns", os.open("/proc/self/ns/uts", os.O_RDONLY), 0),
+                call("keyctl", 0, -3, 0), call("bpf", 0, 0, 0), call("perf_event_open", 0, 0, -1, -1, 0),
+                call("clone3", 0, 0)]))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="the filter has tables for these")
+def test_no_namespace_can_be_made_inside(make):
+    """Inside the sandbox (as root it has no user namespace of its own) the agent cannot make one: `unshare -U`,
+    `unshare -r`, a mount or net namespace, clone() with a namespace flag, setns, and the kernel interfaces a task
+    never needs (keyctl, bpf, perf_event_open) are refused with EPERM; clone3 answers ENOSYS (glibc falls back to
+    clone). Threads, subprocesses and pytest still work."""
+    box = make()
+    for cmd in ("unshare -U id", "unshare -r id", "unshare -m true", "unshare -n true", "unshare -pf true"):
+        r = box.exec(cmd)
+        assert r.exit_code != 0 and "Operation not permitted" in r.stdout + r.stderr, (cmd, r)
+    from environments.seccomp import _TABLES
+
+    box.write_file("probe.py", NAMESPACE_PROBE.replace("NUMBERS", repr(_TABLES[os.uname().machine][1])))
+    r = box.exec(["python3", "probe.py"])
+    results = dict(item.split("=") for item in r.stdout.split())
+    assert r.exit_code == 0, r
+    for name in ("unshare", "clone", "setns", "keyctl", "bpf", "perf_event_open"):
+        assert results[name] == "-1/1", (name, r.stdout)  # EPERM
+    assert results["clone3"] == "-1/38", r.stdout  # ENOSYS
+    ok = box.exec("python3 -c 'import threading, subprocess; t = threading.Thread(target=int); t.start(); "
+                  "t.join(); print(subprocess.run([\"echo\", \"child\"], capture_output=True).stdout.decode())'")
+    assert ok.exit_code == 0 and "child" in ok.stdout
+
+
 def test_fork_bomb_is_contained(make):
     box = make(timeout_s=10, max_processes=32)
     started = time.monotonic()
