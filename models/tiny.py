@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-from models.hub import TINY, cached_random_model
+from models.hub import cached_random_model, register_builtin
+
+TINY = "tiny-random"
 
 TINY_CONFIG = dict(
     hidden_size=64,
@@ -34,3 +36,6 @@ def tiny_model_dir(name: str = TINY) -> Path:
         return LlamaForCausalLM(config)
 
     return cached_random_model(name, "tiny-random", build)
+
+
+register_builtin(TINY, tiny_model_dir)

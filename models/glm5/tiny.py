@@ -22,7 +22,10 @@ import torch
 from torch import nn
 
 from models.glm5.config import Glm5Config
-from models.hub import GLM52_SMALL, GLM52_TINY
+from models.hub import cached_random_model, register_builtin
+
+GLM52_TINY = "glm52-tiny"  # a tiny random GLM-5.2, for tests
+GLM52_SMALL = "glm52-small"  # the smallest random GLM-5.2 SGLang's kernels serve
 
 # docs/GLM52.md §9A, the transformers-equality configuration
 REFERENCE_CONFIG = dict(
@@ -97,8 +100,6 @@ def small_glm5_dir(name: str = GLM52_SMALL) -> Path:
 
 
 def _random_glm5_dir(name: str, prefix: str, layout: dict, dtype: torch.dtype = torch.float32) -> Path:
-    from models.hub import cached_random_model
-
     def build(tokenizer, seed: int):
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -107,3 +108,7 @@ def _random_glm5_dir(name: str, prefix: str, layout: dict, dtype: torch.dtype = 
         return build_random(config, seed).to(dtype)
 
     return cached_random_model(name, prefix, build)
+
+
+register_builtin(GLM52_TINY, tiny_glm5_dir)
+register_builtin(GLM52_SMALL, small_glm5_dir)
