@@ -11,31 +11,15 @@ from __future__ import annotations
 import functools
 import re
 import shlex
-from dataclasses import dataclass, field
+
+from antihack.shell_reader import read_shell
+from antihack.shell_types import _VAR, ShellCommand
+
+__all__ = ["ShellCommand", "parse_shell"]
 
 _CONTROL = {";", "&&", "||", "|", "&", "(", ")", "\n", "{", "}"}
 _SHELLS = {"bash", "sh", "dash", "zsh", "ksh"}
-_PYTHONS = ("python", "python3", "python2", "pypy", "pypy3")
-
-
-@dataclass
-class ShellCommand:
-    argv: list[str]
-    redirects: list[tuple[str, str]] = field(default_factory=list)  # (operator, target)
-    python_code: list[str] = field(default_factory=list)  # bodies of python -c and python heredocs
-    stdin_script: str = ""  # a heredoc or here-string body
-
-    @property
-    def name(self) -> str:
-        return self.argv[0].rsplit("/", 1)[-1] if self.argv else ""
-
-    @property
-    def is_python(self) -> bool:
-        return self.name.startswith(_PYTHONS)
-
-
 _HEREDOC = re.compile(r"(?<!<)<<(?!<)(-?)[ \t]*(['\"]?)([A-Za-z_][\w.-]*)\2")  # not <<< (a here-string)
-_VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
 
 
 def _lift_heredocs(command: str) -> tuple[str, dict[str, str]]:
@@ -304,6 +288,3 @@ def _inline_scripts(cmd: ShellCommand) -> list[str]:
         elif cmd.stdin_script and (len(argv) == 1 or argv[1] == "-"):
             cmd.python_code.append(cmd.stdin_script)
     return []
-
-
-from antihack.shell_reader import read_shell  # last: it reads into ShellCommand, defined above

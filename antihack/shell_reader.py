@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 
-from antihack.shell import _VAR, ShellCommand
+from antihack.shell_types import _VAR, ShellCommand
 
 _PLAIN = re.compile(r"[^ \t\n'\"\\$`;&|<>()]+")  # unquoted characters with no meaning inside a word
 _DQ_PLAIN = re.compile(r"[^\"\\$`]*")  # characters with no meaning inside double quotes
