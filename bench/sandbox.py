@@ -112,7 +112,7 @@ def throughput(backend: str, sandboxes: int, per_sandbox: int) -> float:
 def available(backend: str) -> str | None:
     """None when the backend can run here, else why not."""
     if backend == "docker":
-        from environments.docker_sandbox import docker_available
+        from environments.sandbox.docker import docker_available
 
         ok, why = docker_available()
         return None if ok else why

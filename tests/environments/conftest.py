@@ -33,7 +33,7 @@ def _wait_for_ci_setup() -> str:
 def docker_engine() -> str:
     """A Docker engine with the sandbox image, or a skip that says why there is none."""
     status = _wait_for_ci_setup()
-    from environments.docker_sandbox import docker_available
+    from environments.sandbox.docker import docker_available
 
     ok, why = docker_available()
     if not ok:

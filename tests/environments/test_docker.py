@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from environments import grade, make_sandbox
-from environments.docker_sandbox import DEFAULT_IMAGE, _Capped, _Demux, docker_client, reap_orphans
+from environments.sandbox.docker import DEFAULT_IMAGE, _Capped, _Demux, docker_client, reap_orphans
 from environments.sandbox import task_sandbox_options
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from environments import collect_files
-from environments.sandbox import _python_roots
+from environments.sandbox.bwrap import _python_roots
 
 
 def _host_pids(marker: str) -> list[int]:
@@ -156,7 +156,7 @@ def test_no_namespace_can_be_made_inside(make):
     for cmd in ("unshare -U id", "unshare -r id", "unshare -m true", "unshare -n true", "unshare -pf true"):
         r = box.exec(cmd)
         assert r.exit_code != 0 and "Operation not permitted" in r.stdout + r.stderr, (cmd, r)
-    from environments.seccomp import _TABLES
+    from environments.sandbox.seccomp import _TABLES
 
     box.write_file("probe.py", NAMESPACE_PROBE.replace("NUMBERS", repr(_TABLES[os.uname().machine][1])))
     r = box.exec(["python3", "probe.py"])

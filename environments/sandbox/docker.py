@@ -41,9 +41,9 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from environments.sandbox import SANDBOX_ROOT, Sandbox, SandboxLimits, _UidLease
-from environments.sandbox import mount_tmpfs as _mount_tmpfs
-from environments.sandbox import unmount as _unmount
+from environments.sandbox.base import SANDBOX_ROOT, Sandbox, SandboxLimits, UidLease
+from environments.sandbox.base import mount_tmpfs as _mount_tmpfs
+from environments.sandbox.base import unmount as _unmount
 from environments.types import ExecResult
 
 DEFAULT_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "agentic-rl/python:bookworm")
@@ -192,7 +192,7 @@ class DockerSandbox(Sandbox):
         self.container = None
         self.extra_binds: list[tuple[Path, str, bool]] = []
         SANDBOX_ROOT.mkdir(parents=True, exist_ok=True)
-        self._lease = _UidLease()
+        self._lease = UidLease()
         self._root = Path(tempfile.mkdtemp(prefix="dkr-", dir=SANDBOX_ROOT))
         self.workspace = self._root / "workspace"
         self.workspace.mkdir()
