@@ -130,7 +130,13 @@ def run_episodes(workers: Workers, tasks: list[Task], mode: str, seed: int, desc
                 next_task += 1
             done, pending = ray.wait(pending, num_returns=1)
             i, worker = index.pop(done[0])
-            results[i], load[worker] = ray.get(done[0]), load[worker] - 1
+            try:
+                results[i] = ray.get(done[0])
+            except Exception as exc:  # a worker that died (or came back without weights): counted, not fatal
+                log.error("%s: episode %d on rollout worker %d failed: %s", desc, i, worker, exc)
+                results[i] = Trajectory(f"{desc}-{i}", tasks[i].id, [], finish_reason="error", domain=tasks[i].domain,
+                                        grade_details={"error": f"rollout worker {worker}: {exc}"})
+            load[worker] -= 1
             bar.update(1)
     return results  # type: ignore[return-value]
 

@@ -23,11 +23,14 @@ far any trained token may lag the policy being trained:
 Partial rollouts: weight updates reach the engines while episodes run; their generations pause and continue on
 the new weights, each token keeping the version that sampled it (rollout/local_engine.py, rollout/sglang/).
 
-Faults: a rollout worker whose process dies is restarted by Ray (`engine.max_worker_restarts`); the manager
-waits for it, has `on_restart(worker)` bring it to the current weights, and only then gives it episodes again
-(`rollout/workers_restarted`). The episodes that died with it are re-run once elsewhere (`rollout/episodes_lost`);
-one lost a second time is given up and counted (`async/gave_up`). A worker out of restarts is left out; the run
-stops only when none is left.
+Faults: a rollout worker whose process dies is restarted by Ray (`engine.max_worker_restarts`). A thread of its
+own waits for it to come back; the driver's thread then brings it to the current weights (`on_restart(worker)`,
+called from `next_batch`, so that it never talks to the trainer group beside the driver's own calls), and only
+then does it get episodes again (`rollout/workers_restarted`). A death with no episode in flight is noticed when
+the restarted worker refuses its first episode (rollout.worker.WorkerNeedsWeights). The episodes that died with
+it are re-run once elsewhere (`rollout/episodes_lost`); one lost a second time is given up, counted
+(`async/gave_up`) and stands in its batch as an error trajectory (never trained on), so that no batch waits for
+it. A worker out of restarts is left out; the run stops only when none is left.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import ray
 from environments import Task
 from rl.data import TaskSampler
 from rollout.types import Trajectory
+from rollout.worker import WorkerNeedsWeights
 
 log = logging.getLogger(__name__)
 STALE_ATTEMPTS = 3  # a task whose episodes outlast the bound this many times is given up (async/gave_up)
@@ -87,7 +91,8 @@ class RolloutManager:
         self._ready: list[tuple[Ticket, Trajectory]] = []  # finished, in completion order
         self._load = [0] * len(self.workers)
         self._dead: set[int] = set()
-        self._restarting: set[int] = set()  # died; Ray restarts them; no episode until on_restart has run
+        self._restarting: set[int] = set()  # died; a watcher waits for Ray to restart them
+        self._restarted: set[int] = set()  # back, waiting for `on_restart` (the driver's thread) before any episode
         self._incarnation = [0] * len(self.workers)
         self.on_restart, self.restart_timeout_s = on_restart, restart_timeout_s
         self._cond = threading.Condition()
@@ -106,6 +111,7 @@ class RolloutManager:
         """The first `batch_size` trajectories to finish that the staleness bound admits (in submission order),
         and the manager's metrics since the last batch. Blocks until they are there."""
         started = time.perf_counter()
+        self.refresh_restarted()
         with self._cond:
             while True:
                 self._drop_stale()
@@ -113,6 +119,13 @@ class RolloutManager:
                     break
                 if self._failure is not None:
                     raise RuntimeError("the rollout manager stopped") from self._failure
+                if self._restarted:
+                    self._cond.release()
+                    try:
+                        self.refresh_restarted()
+                    finally:
+                        self._cond.acquire()
+                    continue
                 self._cond.wait(0.5)
             taken, self._ready = self._ready[:self.batch_size], self._ready[self.batch_size:]
             counts, self.counts = self.counts, Counter()
@@ -125,6 +138,26 @@ class RolloutManager:
         trajs = [t for _, t in taken]
         metrics.update(staleness_metrics(trajs, self.version))
         return trajs, metrics
+
+    def refresh_restarted(self) -> None:
+        """On the driver's thread: bring every worker that Ray restarted to the current weights (`on_restart`),
+        then give it episodes again; one that fails it is taken for dead again (and restarted, while it may)."""
+        with self._cond:
+            workers = sorted(self._restarted)  # they stay out of the placement until their weights are in
+        for w in workers:
+            try:
+                if self.on_restart is not None:
+                    self.on_restart(w)
+            except Exception as exc:
+                with self._cond:
+                    self._restarted.discard(w)
+                    self._down(w, exc)
+                continue
+            with self._cond:
+                self._restarted.discard(w)
+                self.counts["workers_restarted"] += 1
+                log.warning("rollout worker %d restarted with weight version %d", w, self.version)
+                self._cond.notify_all()
 
     def set_version(self, version: int) -> None:
         """The engines serve `version` now (right after a sync: episodes submitted from here are on it)."""
@@ -143,6 +176,7 @@ class RolloutManager:
             by_worker.setdefault(t.worker, []).append(t.rollout_id(self.tag))
         for w, ids in by_worker.items():  # their results come back as "aborted" and their tasks run again
             self.workers[w].abort_episodes.remote(ids, "stale")
+        self.refresh_restarted()  # a worker back from a restart gets the weights just pushed
 
     def stop(self) -> None:
         """Abort what is in flight and end the thread (the unfinished tickets stay in `state_dict`)."""
@@ -182,11 +216,7 @@ class RolloutManager:
                         return
                     self._submit_admitted()
                     refs = list(self._inflight)
-                    restarting = sorted(self._restarting)
-                for w in restarting:
-                    self._bring_back(w)
-                with self._cond:
-                    if not refs and not self._restarting:
+                    if not refs:
                         self._cond.wait(0.2)
                         continue
                 done, _ = ray.wait(refs, num_returns=1, timeout=0.2)
@@ -201,7 +231,7 @@ class RolloutManager:
     def _collect(self, ref) -> None:
         try:
             traj = ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
+        except (ray.exceptions.RayActorError, WorkerNeedsWeights) as exc:
             traj = None
             error = exc
         except Exception as exc:  # the worker survived; the episode did not: an error trajectory, counted
@@ -210,6 +240,11 @@ class RolloutManager:
             ticket = self._inflight.pop(ref)
             self._load[ticket.worker] -= 1
             if traj is None:
+                if isinstance(error, WorkerNeedsWeights):  # restarted while idle: it ran nothing
+                    if ticket.incarnation == self._incarnation[ticket.worker]:
+                        self._down(ticket.worker, error)
+                    self._requeued.appendleft(ticket)
+                    return
                 if isinstance(error, ray.exceptions.RayActorError):
                     self._lost(ticket, error)
                     return
@@ -223,22 +258,33 @@ class RolloutManager:
             self._cond.notify_all()
 
     def _lost(self, ticket: Ticket, error: BaseException) -> None:
-        """An episode that died with its worker (the caller holds the lock): re-run once, the worker restarted."""
-        w = ticket.worker
-        if ticket.incarnation == self._incarnation[w] and w not in self._dead:  # the first news of this death
-            self._incarnation[w] += 1
-            self._restarting.add(w)
-            log.error("rollout worker %d died (%s); restarting it, its episodes run again", w, error)
+        """An episode that died with its worker (the caller holds the lock): re-run once, the worker restarted.
+        Lost twice: given up, standing in its batch as an error trajectory (no batch waits for it)."""
+        if ticket.incarnation == self._incarnation[ticket.worker]:  # the first news of this death
+            self._down(ticket.worker, error)
         self.counts["episodes_lost"] += 1
         if ticket.lost >= 1:
             self.counts["gave_up"] += 1
             log.warning("task %s: lost with its worker twice; given up", ticket.task.id)
+            self._ready.append((ticket, Trajectory(ticket.rollout_id(self.tag), ticket.task.id, [],
+                                                   finish_reason="error", domain=ticket.task.domain,
+                                                   grade_details={"error": f"lost with its worker twice: {error}"})))
             return
         self._requeued.appendleft(dataclasses.replace(ticket, attempt=ticket.attempt + 1, lost=ticket.lost + 1))
 
-    def _bring_back(self, w: int) -> None:
-        """Wait for Ray to restart worker w, bring it to the current weights (`on_restart`), give it work again;
-        a worker out of restarts (or that does not come back) is left out for the rest of the run."""
+    def _down(self, w: int, error: BaseException) -> None:
+        """Worker w is down (the caller holds the lock): no episodes for it; a watcher waits for Ray's restart."""
+        if w in self._dead or w in self._restarting:
+            return
+        self._incarnation[w] += 1
+        self._restarting.add(w)
+        self._restarted.discard(w)
+        log.error("rollout worker %d is down (%s); waiting for its restart, its episodes run again", w, error)
+        threading.Thread(target=self._await_restart, args=(w,), name=f"restart-{w}", daemon=True).start()
+
+    def _await_restart(self, w: int) -> None:
+        """Wait for Ray to restart worker w, then hand it to the driver for its weights (`refresh_restarted`); a
+        worker out of restarts (or that does not come back) is left out for the rest of the run."""
         deadline = time.monotonic() + self.restart_timeout_s
         try:
             while True:  # "unavailable" while Ray restarts it; "died" when it is out of restarts
@@ -249,21 +295,19 @@ class RolloutManager:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)
-            if self.on_restart is not None:
-                self.on_restart(w)
         except Exception as exc:  # ActorDiedError: out of restarts; GetTimeoutError: it did not come back
             with self._cond:
                 self._restarting.discard(w)
                 self._dead.add(w)
                 log.error("rollout worker %d is gone for good (%s); %d left", w, exc,
                           len(self.workers) - len(self._dead))
-                if len(self._dead) == len(self.workers):
-                    raise RuntimeError("every rollout worker died") from exc
+                if len(self._dead) == len(self.workers) and self._failure is None:
+                    self._failure = RuntimeError("every rollout worker died")
+                self._cond.notify_all()
             return
         with self._cond:
             self._restarting.discard(w)
-            self.counts["workers_restarted"] += 1
-            log.warning("rollout worker %d restarted with weight version %d", w, self.version)
+            self._restarted.add(w)
             self._cond.notify_all()
 
     def _drop_stale(self) -> None:
@@ -292,7 +336,8 @@ class RolloutManager:
 
     def _submit_admitted(self) -> None:
         """Start every admitted episode that a worker has room for (the caller holds the lock)."""
-        live = [w for w in range(len(self.workers)) if w not in self._dead and w not in self._restarting]
+        live = [w for w in range(len(self.workers))
+                if w not in self._dead and w not in self._restarting and w not in self._restarted]
         if not live:
             return
         while True:

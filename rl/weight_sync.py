@@ -67,12 +67,12 @@ class ObjectStoreSync(WeightSync):
             sent = self._apply(range(len(w.rollout)), refs, version)
             reached = [i for i, size in sent.items() if size is not None]
             w.weight_version = version
-        if not reached:
-            raise RuntimeError(f"weight sync to version {version}: no rollout worker is alive")
+        if not reached:  # every worker restarting: each gets the weights once back (rl/rollout_manager.py)
+            log.error("weight sync to version %d reached no rollout worker", version)
         out = {"perf/weight_sync_s": time.perf_counter() - started,
-               "perf/weight_sync_mb": sum(sent[i] for i in reached) / len(reached) / 2**20,
+               "perf/weight_sync_mb": sum(sent[i] for i in reached) / max(len(reached), 1) / 2**20,
                "perf/weight_sync_buckets": len(refs), "rollout/weight_version": version}
-        if self.verify:
+        if self.verify and reached:
             trainer = {k: v for ref in refs for k, v in ray.get(ref).items()}
             diffs = [max(float((engine[k] - t).abs().max()) for k, t in trainer.items())
                      for engine in ray.get([w.rollout[i].engine_weights.remote() for i in reached])]
@@ -91,20 +91,14 @@ class ObjectStoreSync(WeightSync):
         rl/rollout_manager.py)."""
         rollout = self.workers.rollout
         received = {i: [rollout[i].receive_bucket.remote(ref) for ref in refs] for i in indices}
-        sizes = {i: self._answer(i, lambda got=got: sum(ray.get(got))) for i, got in received.items()}
+        sizes = {i: _answer(i, lambda got=got: sum(ray.get(got))) for i, got in received.items()}
         commits = {i: rollout[i].commit_weights.remote(version) for i, size in sizes.items() if size is not None}
         for i, ref in commits.items():
-            if self._answer(i, lambda ref=ref: ray.get(ref)) is None:
+            if _answer(i, lambda ref=ref: ray.get(ref)) is None:
                 sizes[i] = None
         return sizes
 
-    @staticmethod
-    def _answer(i: int, get):
-        try:
-            return get()
-        except ray.exceptions.RayActorError as exc:
-            log.error("weight sync: rollout worker %d is down (%s); it gets the weights when it is back", i, exc)
-            return None
+
 
 
 class SGLangSync(WeightSync):
@@ -135,7 +129,8 @@ class SGLangSync(WeightSync):
 
     def _stamped(self, version: int, stats: dict) -> dict:
         w = self.workers
-        ray.get([r.set_weight_version.remote(version) for r in w.rollout])
+        for i, ref in enumerate([r.set_weight_version.remote(version) for r in w.rollout]):
+            _answer(i, lambda ref=ref: ray.get(ref))  # one restarting learns it from refresh
         w.weight_version = version
         out = {"perf/weight_sync_s": stats["seconds"], "perf/weight_sync_mb": stats.get("bytes", 0) / 2**20,
                "perf/weight_sync_buckets": stats.get("buckets", 0), "rollout/weight_version": version,
@@ -198,6 +193,15 @@ class FallbackSync(SGLangSync):
             stats = self.current.send(urls, version, True)
             stats["seconds"] = time.perf_counter() - started  # the failed attempt counts too
             return stats
+
+
+def _answer(i: int, get):
+    """A rollout worker's answer, or None when it is down (once Ray has restarted it, `refresh` catches it up)."""
+    try:
+        return get()
+    except ray.exceptions.RayActorError as exc:
+        log.error("weight sync: rollout worker %d is down (%s); it gets the weights when it is back", i, exc)
+        return None
 
 
 SGLANG_TRANSPORTS = {"disk": SGLangDiskSync, "tensor": SGLangTensorSync, "distributed": SGLangGroupSync}

@@ -115,6 +115,7 @@ class LocalEngine:
                       "parked_batches": 0, "partial_rollouts": 0, "decode_steps": 0}
         self._usage_seen = (time.perf_counter(), 0.0, 0)  # (when, busy_s, partial_rollouts) at the last report
         self._parked_s = 0.0  # the running batch's time parked for weight updates (not busy)
+        self.failed = False  # the serving loop failed SERVE_RESTARTS times in a row and the engine closed
         self._thread = threading.Thread(target=self._serve, name="local-engine", daemon=True)
         self._thread.start()
 
@@ -240,6 +241,7 @@ class LocalEngine:
                 log.exception("LocalEngine: the serving loop failed (%d in a row); %s", failures,
                               "restarting it" if failures < SERVE_RESTARTS else "closing the engine")
                 if failures >= SERVE_RESTARTS:
+                    self.failed = True  # the rollout worker exits on its next episode, for Ray to restart it
                     with self._cond:
                         self._closed = True
                         pending = list(self._queue)
@@ -257,7 +259,7 @@ class LocalEngine:
                     pending = list(self._queue)
                     self._queue.clear()
                     break
-            time.sleep(self.gather_window_s)  # let concurrent episodes join this batch
+            self._gather_pause()
             with self._cond:
                 if self._paused:  # paused during the window: no forward until resume()
                     continue
@@ -283,6 +285,9 @@ class LocalEngine:
         for request in pending:
             self._finish(request, GenerateResult([], [], "abort", {"weight_version": self.weight_version}))
 
+    def _gather_pause(self) -> None:
+        time.sleep(self.gather_window_s)  # let concurrent episodes join this batch
+
     def _park_while_paused(self, b: _Batch) -> None:
         """Between two decode steps: while a weight update is under way, give the model up and wait. The rows
         go on afterwards on the new weights (their tokens say so); closing the engine ends them as aborted."""
@@ -305,7 +310,10 @@ class LocalEngine:
 
     def _finish(self, request: _Request, result: GenerateResult) -> None:
         self._aborted.discard(request.request_id)
-        request.loop.call_soon_threadsafe(_set_result, request.future, result)
+        try:
+            request.loop.call_soon_threadsafe(_set_result, request.future, result)
+        except RuntimeError:  # the caller's event loop is closed: nobody waits for this answer any more
+            pass
 
     def _prepare(self, batch: list[_Request]) -> _Batch:
         n = len(batch)

@@ -27,6 +27,24 @@ from rollout.types import SamplingParams, Trajectory
 ABORT_GRACE_S = 10.0  # after abort(), how long an episode may take to stop before it is left to end on its own
 
 
+class WorkerNeedsWeights(RuntimeError):
+    """A worker that Ray restarted refuses episodes until it has been given the current weights (or, on SGLang,
+    the served version): its engine would otherwise run the initial ones."""
+
+
+def _restarted_by_ray() -> bool:
+    import warnings
+
+    import ray
+
+    try:
+        with warnings.catch_warnings():  # the property reads a deprecated attribute of Ray's own
+            warnings.simplefilter("ignore")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not in a Ray actor (tests, tools)
+        return False
+
+
 class RolloutWorker:
     def __init__(self, model_path: str, engine: EngineConfig, agent: AgentConfig, guard: GuardConfig | Guard,
                  chat_format: str = "chatml", tool_format: str = "json", sandbox_backend: str = "bwrap",
@@ -54,6 +72,7 @@ class RolloutWorker:
             grade_timeout_s=grade_timeout_s)
         self._pending: dict[str, torch.Tensor] = {}
         self._episodes: dict[str, AgentEpisode] = {}  # rollout id → running episode (for abort_episodes)
+        self._needs_weights = _restarted_by_ray()  # cleared by commit_weights / set_weight_version
 
     def sampling(self, mode: str, seed: int | None) -> SamplingParams:
         e = self.engine_cfg
@@ -65,6 +84,10 @@ class RolloutWorker:
         """One episode. Past `agent.episode_timeout_s` it is aborted (finish reason "aborted", grade_details'
         "aborted": "timeout"); one stuck where an abort cannot reach it (a hung tool call or grading) is returned
         as it stands after ABORT_GRACE_S and left to end by itself, closing its sandbox."""
+        if self._needs_weights:
+            raise WorkerNeedsWeights(f"rollout worker {self.index} was restarted and has no current weights yet")
+        if getattr(self.engine, "failed", False):  # its serving loop gave up: let Ray restart the process
+            os._exit(70)
         episode = AgentEpisode(self.runtime, task, self.sampling(mode, seed), rollout_id)
         self._episodes[episode.rollout_id] = episode
         running = asyncio.ensure_future(episode.run())
@@ -100,12 +123,14 @@ class RolloutWorker:
         finally:
             self._pending = {}
             await self.engine.resume()
+        self._needs_weights = False
         return {"worker": self.index, "weight_version": self.engine.weight_version}
 
     async def set_weight_version(self, version: int) -> None:
         """The fleet now serves `version` (an SGLang engine takes samples from servers at that version only)."""
         if isinstance(self.engine, SGLangEngine):
             self.engine.set_weight_version(version)
+        self._needs_weights = False
 
     async def engine_metrics(self) -> dict:
         """Since the last call: the engine's busy fraction and its counters (requests and prefix cache on SGLang,

@@ -215,6 +215,18 @@ def _rollout_worker_pids() -> list[int]:
     return pids
 
 
+def _has_sandbox_child(pid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+                if f"\nPPid:\t{pid}\n" in status and b"bwrap" in (entry / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def test_a_killed_rollout_worker_is_restarted_and_the_run_goes_on(tmp_path):
     """Fault injection: SIGKILL to the rollout worker's process while step 1's episodes run. Ray restarts it, it
     gets the current weights before any new episode, the episodes lost with it run again once, and the run
@@ -225,16 +237,17 @@ def test_a_killed_rollout_worker_is_restarted_and_the_run_goes_on(tmp_path):
 
     killed: list[int] = []
 
-    def killer():
+    started = tmp_path / "coding_ppo_tiny" / "guard_audit.jsonl"  # opened as the loop starts
+
+    def killer():  # during step 1, once an episode runs on the worker: a bwrap sandbox of its own is up
         deadline = time.time() + 600
         while time.time() < deadline:
             pids = _rollout_worker_pids()
-            if pids:
-                time.sleep(6.0)  # the worker loads, then the first episodes start
+            if pids and started.exists() and _has_sandbox_child(pids[0]):
                 os.kill(pids[0], signal.SIGKILL)
                 killed.append(pids[0])
                 return
-            time.sleep(0.2)
+            time.sleep(0.1)
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -26,7 +27,8 @@ class SkewedWorker:
     def __init__(self, ticks: list[int], gated: list[int], tick_s: float = 0.01, gate_retries: bool = False,
                  die_at: int = -1, die_flag: str = ""):
         self.ticks, self.gated, self.tick_s, self.gate_retries = ticks, set(gated), tick_s, gate_retries
-        self.die_at, self.die_flag = die_at, die_flag  # the process exits at episode `die_at`, once (a flag file)
+        # the process exits at episode `die_at`: once (a flag file marks it), or every time ("always")
+        self.die_at, self.die_flag = die_at, die_flag
         self.version = 0
         self.log: list[dict] = []
         self.aborts: dict[str, str] = {}
@@ -37,8 +39,9 @@ class SkewedWorker:
         retry = "r" in rollout_id.split("-")[1]
         self.log.append({"event": "start", "id": rollout_id, "index": index, "seed": seed, "task": task.id,
                          "version": self.version})
-        if index == self.die_at and not os.path.exists(self.die_flag):
-            open(self.die_flag, "w").close()
+        if index == self.die_at and (self.die_flag == "always" or not os.path.exists(self.die_flag)):
+            if self.die_flag != "always":
+                open(self.die_flag, "w").close()
             await asyncio.sleep(0.05)
             os._exit(1)  # the whole process, with every episode in flight on it
         versions = []
@@ -97,6 +100,15 @@ def train_steps(manager, workers, steps, on_batch=None, sync=None):
             ray.get([w.set_version.remote(step + 1) for w in workers])
         manager.step_done(step + 1)
     return batches
+
+
+def train_steps_from(manager, workers, step, sync):
+    """One more step of `train_steps`, the step-th."""
+    trajs, metrics = manager.next_batch()
+    batch = (trajs, metrics, manager.version)
+    sync(step + 1)
+    manager.step_done(step + 1)
+    return [batch]
 
 
 def test_k0_is_the_synchronous_loop(ray_session, shipped_tasks):
@@ -230,14 +242,43 @@ def test_a_worker_that_dies_is_restarted_with_the_weights_and_no_episode_is_lost
             restored.append((w, served[0]))
 
     manager = RolloutManager(workers, TaskSampler(tasks, 2), 4, 1, 8, seed=0, on_restart=on_restart).start()
-    batches = train_steps(manager, workers, 4, sync=sync)
+    batches, back_at, deadline = [], None, time.monotonic() + 120
+    while time.monotonic() < deadline:  # steps until the restarted worker has been back in for 3 of them
+        batches += train_steps_from(manager, workers, len(batches), sync)
+        if back_at is None and sum(m["rollout/workers_restarted"] for _, m, _ in batches):
+            back_at = len(batches)
+        if back_at is not None and len(batches) >= max(back_at + 3, 4):
+            break
+        time.sleep(0.2)
     manager.stop()
     assert os.path.exists(flag)
     trained = sorted(int(t.rollout_id.split("-")[1].split("r")[0]) for trajs, _, _ in batches for t in trajs)
-    assert trained == list(range(16))  # every ticket once: none lost, none twice
+    assert trained == list(range(4 * len(batches)))  # every ticket once: none lost, none twice
     lost = sum(m["rollout/episodes_lost"] for _, m, _ in batches)
     assert lost >= 1 and sum(m["rollout/workers_restarted"] for _, m, _ in batches) == 1
     assert len(restored) == 1
     died, version = restored[0]
     starts = [e for e in ray.get(workers[died].events.remote()) if e["event"] == "start"]
     assert starts and all(e["version"] >= version for e in starts)  # the new process ran nothing on old weights
+
+
+def test_a_task_lost_twice_stands_as_an_error_so_the_synchronous_batch_completes(ray_session, shipped_tasks):
+    """K = 0 admits only the step's batch: a task whose episode kills its worker every time is given up after its
+    second loss and stands in the batch as an error trajectory (never trained on), so the step does not wait."""
+    tasks = shipped_tasks.split("train")
+    workers = [SkewedWorker.options(max_restarts=3, max_task_retries=0).remote([2], [], die_at=1, die_flag="always")
+               for _ in range(2)]
+    manager = RolloutManager(workers, TaskSampler(tasks, 4), 4, 0, 8, seed=0).start()
+    batches = train_steps(manager, workers, 2, sync=lambda v: [_try(w.set_version.remote(v)) for w in workers])
+    manager.stop()
+    first = batches[0][0]
+    assert len(first) == 4 and [t.finish_reason for t in first].count("error") == 1
+    assert "lost with its worker twice" in next(t for t in first if t.finish_reason == "error").grade_details["error"]
+    assert sum(m["async/gave_up"] for _, m, _ in batches) == 1 and len(batches[1][0]) == 4
+
+
+def _try(ref):
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError:
+        return None

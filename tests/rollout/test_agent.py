@@ -244,7 +244,7 @@ def test_an_episode_past_its_timeout_is_aborted_and_not_graded(tokenizer, task_b
     worker.engine_cfg = type("E", (), {"temperature": 1.0, "eval_temperature": 0.0, "top_p": 1.0, "top_k": 0})()
     worker.runtime = EpisodeRuntime(engine, tokenizer, make_chat_format("chatml"),
                                     make_tool_parser("json", TOOL_SPECS), Guard(), cfg)
-    worker._episodes = {}
+    worker._episodes, worker._needs_weights, worker.engine = {}, False, engine
     traj = asyncio.run(worker.run_episode(task_by_id["add_two_numbers"], "train", 1, "slow-1"))
     assert traj.finish_reason == "aborted" and traj.grade_details["aborted"] == "timeout"
     assert engine.aborted == ["slow-1-1"] and traj.reward == 0.0 and "tests" not in traj.grade_details

@@ -139,22 +139,23 @@ def test_abort_and_health(engine):
     assert res.finish_reason == "abort" and health["ok"]
 
 
-def test_a_failed_serving_loop_is_restarted_and_serves_what_was_queued(tiny_model, monkeypatch):
+def test_a_failed_serving_loop_is_restarted_and_serves_what_was_queued(tiny_model):
     """Fault injection: the serving loop fails outside a batch (where no caller would hear of it). It restarts in
     place, with the model as it was, and the requests go on being served; a loop that keeps failing closes the
     engine and fails its requests instead of hanging them."""
     import rollout.local_engine as le
 
-    real_sleep, failures = le.time.sleep, []
-
-    def failing_sleep(seconds):
-        if len(failures) < 1:
-            failures.append(seconds)
-            raise RuntimeError("injected: the serving loop dies")
-        real_sleep(seconds)
-
-    monkeypatch.setattr(le.time, "sleep", failing_sleep)
+    failures = []
     engine = LocalEngine(tiny_model, max_batch_size=4)
+    real_pause = engine._gather_pause
+
+    def failing_pause():
+        if not failures:
+            failures.append(True)
+            raise RuntimeError("injected: the serving loop dies")
+        real_pause()
+
+    engine._gather_pause = failing_pause  # read by the serving thread when the first request comes
     try:
         async def go():
             return await asyncio.gather(*(engine.generate([1, 2, 3 + i], SamplingParams(max_new_tokens=5, seed=i))
@@ -166,9 +167,9 @@ def test_a_failed_serving_loop_is_restarted_and_serves_what_was_queued(tiny_mode
     finally:
         engine.close()
 
-    monkeypatch.setattr(le.time, "sleep", lambda s: (_ for _ in ()).throw(RuntimeError("always fails")))
     broken = LocalEngine(tiny_model, max_batch_size=4)
+    broken._gather_pause = lambda: (_ for _ in ()).throw(RuntimeError("always fails"))
     with pytest.raises(RuntimeError):
         asyncio.run(asyncio.wait_for(broken.generate([1, 2, 3], SamplingParams(max_new_tokens=3)), 60))
-    assert broken.stats["restarts"] == le.SERVE_RESTARTS
+    assert broken.stats["restarts"] == le.SERVE_RESTARTS and broken.failed
     broken.close()
