@@ -202,16 +202,30 @@ def test_two_ranks_per_model_then_resume_on_one(tmp_path):
     assert records[2]["async/staleness_max"] == 1  # the batch's episodes started before step 2's update
 
 
+def _parent(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(status.split("\nPPid:\t", 1)[1].split("\n", 1)[0])
+
+
 def _rollout_worker_pids() -> list[int]:
-    """Processes of Ray's RolloutWorker actors (Ray titles an actor's process `ray::RolloutWorker...`)."""
+    """This test's RolloutWorker actor processes (Ray titles them `ray::RolloutWorker...`): only those under this
+    process (its Ray cluster's raylet is its child), never another Ray job's on the same machine."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "cmdline").read_bytes().startswith(b"ray::RolloutWorker"):
-                    pids.append(int(entry.name))
+                if not (entry / "cmdline").read_bytes().startswith(b"ray::RolloutWorker"):
+                    continue
             except OSError:
                 continue
+            pid = ancestor = int(entry.name)
+            while ancestor > 1 and ancestor != os.getpid():
+                ancestor = _parent(ancestor)
+            if ancestor == os.getpid():
+                pids.append(pid)
     return pids
 
 
