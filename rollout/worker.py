@@ -37,6 +37,8 @@ def _restarted_by_ray() -> bool:
 
     import ray
 
+    if not ray.is_initialized():  # in-process (rl.evaluate, tests): asking would start a Ray of its own
+        return False
     try:
         with warnings.catch_warnings():  # the property reads a deprecated attribute of Ray's own
             warnings.simplefilter("ignore")
