@@ -288,10 +288,12 @@ class RolloutManager:
         deadline = time.monotonic() + self.restart_timeout_s
         try:
             while True:  # "unavailable" while Ray restarts it; "died" when it is out of restarts
+                if self._stopping or not ray.is_initialized():  # the run is over: asking would start a new Ray
+                    return
                 try:
-                    ray.get(self.workers[w].health.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                    ray.get(self.workers[w].health.remote(), timeout=min(max(deadline - time.monotonic(), 0.1), 5))
                     break
-                except ray.exceptions.ActorUnavailableError:
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)

@@ -16,6 +16,8 @@ from rl.group import TrainerGroup, TrainerRankDied
 
 @pytest.fixture(scope="module")
 def ray_session():
+    if ray.is_initialized():  # a Ray another module left running would make this init fail
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
