@@ -17,17 +17,8 @@ if [ "$VERB" = start ]; then
   echo $! >"$PID"
   echo 0 >"$LOG.shown"
 fi
-running() { kill -0 "$(cat "$PID")" 2>/dev/null; }
-show_new() {
-  local shown total
-  shown=$(cat "$LOG.shown" 2>/dev/null || echo 0) total=$(wc -l <"$LOG")
-  tail -n +"$((shown + 1))" "$LOG" | head -n "$((total - shown))" | grep -v -E "it/s\]|ep/s\]|Loading weights"
-  echo "$total" >"$LOG.shown"
-}
-deadline=$((SECONDS + CALL_S))
-while running && [ $SECONDS -lt $deadline ]; do show_new; sleep 10; done
-show_new
-running && echo "bench_async: still running" || echo "bench_async: ended"
+follow_log "$CALL_S"
+follow_running && echo "bench_async: still running" || echo "bench_async: ended"
 cp "$LOG" "${OUT:-/tmp}/bench_async.log"
 [ -f "$RESULT" ] && cp "$RESULT" "${OUT:-/tmp}/"
 for d in /tmp/rl-out/async/*/; do [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "${OUT:-/tmp}/$(basename "$d")_metrics.jsonl"; done

@@ -28,18 +28,8 @@ if [ "$VERB" = start ]; then
   echo $! >"$PID"
   echo 0 >"$LOG.shown"
 fi
-running() { kill -0 "$(cat "$PID")" 2>/dev/null; }
-show_new() {
-  local shown total
-  shown=$(cat "$LOG.shown" 2>/dev/null || echo 0) total=$(wc -l <"$LOG")
-  tail -n +"$((shown + 1))" "$LOG" | head -n "$((total - shown))" \
-    | grep -v -E "it/s\]|ep/s\]|Loading weights|Writing model shards"
-  echo "$total" >"$LOG.shown"
-}
-deadline=$((SECONDS + CALL_S))
-while running && [ $SECONDS -lt $deadline ]; do show_new; sleep 10; done
-show_new
-running && echo "glm52_recipe: still running" || echo "glm52_recipe: ended"
+follow_log "$CALL_S"
+follow_running && echo "glm52_recipe: still running" || echo "glm52_recipe: ended"
 cp "$LOG" "${OUT:-/tmp}/glm52.log"
 for run in $ROOT/replay_*; do
   [ -d "$run" ] || continue

@@ -51,3 +51,16 @@ copy_run_outputs() {  # RUN_DIR: metrics, summary, config, curves, the audit's a
   [ -d "$run/sglang" ] && tail -n 60 "$run"/sglang/*.log >"$out/sglang_tail.log" 2>/dev/null
   return 0
 }
+follow_log() {  # CALL_S: print $LOG's new lines (no progress bars) while $PID runs, at most CALL_S seconds
+  local deadline=$((SECONDS + $1))
+  while follow_running && [ $SECONDS -lt $deadline ]; do follow_show_new; sleep 10; done
+  follow_show_new
+}
+follow_running() { kill -0 "$(cat "$PID")" 2>/dev/null; }
+follow_show_new() {  # the log lines not shown by an earlier call
+  local shown total
+  shown=$(cat "$LOG.shown" 2>/dev/null || echo 0) total=$(wc -l <"$LOG")
+  tail -n +"$((shown + 1))" "$LOG" | head -n "$((total - shown))" \
+    | grep -v -E "it/s\]|ep/s\]|Loading weights|Writing model shards"
+  echo "$total" >"$LOG.shown"
+}

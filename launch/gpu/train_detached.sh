@@ -20,18 +20,8 @@ if [ "$VERB" = start ]; then
   echo $! >"$PID"
   echo 0 >"$LOG.shown"
 fi
-running() { kill -0 "$(cat "$PID")" 2>/dev/null; }
-show_new() {  # the log lines not shown by an earlier call, without progress bars
-  local shown total
-  shown=$(cat "$LOG.shown" 2>/dev/null || echo 0) total=$(wc -l <"$LOG")
-  tail -n +"$((shown + 1))" "$LOG" | head -n "$((total - shown))" \
-    | grep -v -E "it/s\]|ep/s\]|Loading weights|Writing model shards"
-  echo "$total" >"$LOG.shown"
-}
-deadline=$((SECONDS + CALL_S))
-while running && [ $SECONDS -lt $deadline ]; do show_new; sleep 10; done
-show_new
-running && echo "train_detached: still running (pid $(cat "$PID"))" || echo "train_detached: the run has ended"
+follow_log "$CALL_S"
+follow_running && echo "train_detached: still running (pid $(cat "$PID"))" || echo "train_detached: the run has ended"
 copy_run_outputs "$RUN"
 cp "$LOG" "${OUT:-/tmp}/train.log"
 exit 0
