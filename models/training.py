@@ -100,6 +100,12 @@ def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float
 
         prepare_for_zero3(model, torch.distributed.get_world_size())
     params = [p for p in model.parameters() if p.requires_grad]
+    if any(not getattr(p, "allreduce", True) for p in params):
+        # expert parallelism (models/glm5/expert_parallel.py): ZeRO reduces and partitions the experts' weights
+        # within their expert-data-parallel group, which it takes from optimizer groups marked `moe`
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense"})
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.999),
                                   eps=1e-8)
     config = {
@@ -177,8 +183,13 @@ class OptimConfig:
     pack_micro_batches: bool = True  # packed rows where the model supports them (models/batching.py), else padded
     offload_optimizer: bool = False  # ZeRO >= 1: optimizer state and master weights in host memory
     offload_params: bool = False  # ZeRO-3: parameter shards in host memory
+    expert_parallel: int = 1  # E: each rank holds 1/E of every MoE layer's routed experts (GLM-5.2)
 
     def __post_init__(self):
+        if self.expert_parallel > 1 and self.zero_stage not in (1, 2):
+            raise ValueError(f"expert_parallel={self.expert_parallel} needs zero_stage 1 or 2 (DeepSpeed reduces "
+                             "and partitions expert weights in their own groups under ZeRO-1/2 only; with the "
+                             "experts split E ways they are no longer the bulk of a rank's memory)")
         if self.offload_optimizer and self.zero_stage < 1:
             raise ValueError("offload_optimizer needs zero_stage >= 1 (ZeRO partitions the optimizer it offloads)")
         if self.offload_params and self.zero_stage != 3:
@@ -198,6 +209,7 @@ class DeepSpeedWorker:
         self.tokenizer_source = tokenizer_source
         self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
         self.backend = init_distributed(dist)
+        self.shard_experts(model)
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,
@@ -208,6 +220,15 @@ class DeepSpeedWorker:
     @property
     def module(self) -> nn.Module:
         return self.engine.module
+
+    def shard_experts(self, model: nn.Module) -> nn.Module:
+        """Keep this rank's share of `model`'s routed experts under `expert_parallel` (the trained model, and any
+        frozen copy that runs alongside it, such as the actor's reference); `model` itself otherwise."""
+        if self.optim.expert_parallel > 1:
+            from models.glm5.expert_parallel import shard_experts
+
+            shard_experts(model, self.optim.expert_parallel)
+        return model
 
     def placement_info(self) -> dict:
         """Where this rank runs: its rank, node address, the GPUs Ray gave it and its torch device."""
@@ -302,9 +323,12 @@ class DeepSpeedWorker:
                                                     UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
         info = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+        if self.optim.expert_parallel > 1:  # DeepSpeed's MoE checkpoints reserve the key (and resume on one layout)
+            info = {}
         self.engine.save_checkpoint(folder, tag="state", client_state=info, save_latest=False)
         if self.rank == 0:
-            layout = {"world_size": self.world_size, "zero_stage": self.optim.zero_stage}
+            layout = {"world_size": self.world_size, "zero_stage": self.optim.zero_stage,
+                      "expert_parallel": self.optim.expert_parallel}
             Path(folder, "layout.json").write_text(json.dumps(layout) + "\n")
 
     def load_state(self, folder: str) -> None:
@@ -322,6 +346,13 @@ class DeepSpeedWorker:
             saved = json.loads(Path(folder, "layout.json").read_text())
         stage = self.optim.zero_stage
         same = saved["world_size"] == self.world_size and saved["zero_stage"] == stage
+        ep_saved, ep_now = saved.get("expert_parallel", 1), self.optim.expert_parallel
+        if max(ep_saved, ep_now) > 1 and not (same and ep_saved == ep_now):
+            raise ValueError(f"{folder}: saved on {saved['world_size']} ranks with expert_parallel="
+                             f"{ep_saved}; resuming on {self.world_size} with expert_parallel="
+                             f"{self.optim.expert_parallel} is not supported (DeepSpeed keeps each rank's experts and "
+                             "their optimizer state in files of their own layout): resume on the same layout, or "
+                             "start from its hf/ export")
         if same or (saved["zero_stage"] == 0 and stage == 0):
             path, _ = self.engine.load_checkpoint(folder, tag="state", load_optimizer_states=True,
                                                   load_lr_scheduler_states=True)

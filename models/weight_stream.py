@@ -25,22 +25,36 @@ def _full_numel(p: torch.Tensor) -> int:
     return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 keeps the full size on the partitioned parameter
 
 
+def hf_names(module: nn.Module) -> dict[str, list[str]]:
+    """Every local parameter name → the model's (HF) names it stands for: itself, or under expert parallelism, for
+    a local expert's weight, that weight of each expert of its expert group (models/glm5/expert_parallel.py)."""
+    if any(getattr(m, "expert_parallel", False) for m in module.modules()):
+        from models.glm5.expert_parallel import global_parameter_names
+
+        return global_parameter_names(module)
+    return {n: [n] for n, _ in module.named_parameters()}
+
+
 def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every parameter's unpartitioned shape (ZeRO-3 keeps it as `ds_shape`), without gathering."""
-    return {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
+    """Every parameter's unpartitioned shape (ZeRO-3 keeps it as `ds_shape`) under its HF name, without
+    gathering."""
+    names = hf_names(module)
+    return {full: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters() for full in names[n]}
 
 
 def plan_buckets(module: nn.Module, bucket_mb: float, names: list[str] | None = None) -> list[list[str]]:
-    """Parameter names (all, or `names`) in buckets of about `bucket_mb` MB (a bucket closes once it reaches the
-    size), in `named_parameters` order, from the parameters' full sizes (ZeRO-3's too) without gathering."""
+    """Local parameter names (all, or those standing for any of the HF `names`) in buckets of about `bucket_mb`
+    MB (a bucket closes once it reaches the size), in `named_parameters` order, from the parameters' full sizes
+    (ZeRO-3's, and every rank's experts under expert parallelism) without gathering."""
     limit = bucket_mb * 2**20
     buckets, current, size = [], [], 0
     wanted = set(names) if names is not None else None
+    full = hf_names(module)
     for name, p in module.named_parameters():
-        if wanted is not None and name not in wanted:
+        if wanted is not None and wanted.isdisjoint(full[name]):
             continue
         current.append(name)
-        size += _full_numel(p) * p.element_size()
+        size += _full_numel(p) * p.element_size() * len(full[name])
         if size >= limit:
             buckets.append(current)
             current, size = [], 0
@@ -59,14 +73,27 @@ class WeightBuckets:
         self.module, self.zero3, self.rank, self.owner, self.on_device = module, zero3, rank, owner, on_device
         self.plan = plan_buckets(module, bucket_mb, names)
         self.params = dict(module.named_parameters())
+        self.hf_names = hf_names(module)
+        self.wanted = set(names) if names is not None else None
 
     def __len__(self) -> int:
         return len(self.plan)
 
-    def _copy(self, names: list[str]) -> dict[str, torch.Tensor]:
-        if self.on_device:
-            return {n: self.params[n].detach().clone() for n in names}
-        return {n: self.params[n].detach().cpu().clone() for n in names}
+    def _copy(self, names: list[str], mine: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for n in names:
+            full, tensor = self.hf_names[n], self.params[n].detach()
+            # a local expert's weight: every rank of its expert group takes part in the gather (a collective)
+            parts = [tensor] if len(full) == 1 else self._expert_shard(n).gather(tensor)
+            if mine:
+                out.update({k: v.clone() if self.on_device else v.cpu().clone() for k, v in zip(full, parts)
+                            if self.wanted is None or k in self.wanted})
+        return out
+
+    def _expert_shard(self, name: str):
+        from models.glm5.expert_parallel import shard_of
+
+        return shard_of(self.module, name)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for index, names in enumerate(self.plan):
@@ -75,9 +102,9 @@ class WeightBuckets:
                 import deepspeed
 
                 with deepspeed.zero.GatheredParameters([self.params[n] for n in names], modifier_rank=None):
-                    yield self._copy(names) if mine else {}
+                    yield self._copy(names, mine)
             else:
-                yield self._copy(names) if mine else {}
+                yield self._copy(names, mine)
 
 
 def write_hf_streamed(module: nn.Module, buckets: WeightBuckets, folder: str | Path, write: bool) -> int:

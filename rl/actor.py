@@ -58,7 +58,8 @@ class ActorWorker(DeepSpeedWorker):
                          torch_threads, dist, tokenizer_source=model_path)
         self.reference = None
         if needs_reference(algo):
-            self.reference = load_model(model_path, "policy", dtype=dtype, device=self.device).eval()
+            self.reference = self.shard_experts(load_model(model_path, "policy", dtype=dtype, device=self.device))
+            self.reference.eval()
             self.reference.requires_grad_(False)
 
     @torch.no_grad()

@@ -77,12 +77,14 @@ def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Wo
                   pack_micro_batches=t.pack_micro_batches, offload_optimizer=t.offload_optimizer,
                   offload_params=t.offload_params)
     actor = TrainerGroup(ActorWorker, t.actor_ranks, t.actor_gpus, "actor",
-                         policy, OptimConfig(learning_rate=t.learning_rate, **common), cfg.algorithm,
+                         policy, OptimConfig(learning_rate=t.learning_rate, expert_parallel=t.expert_parallel,
+                                             **common), cfg.algorithm,
                          temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=threads)
     critic_worker = None
     if critic is not None:  # pure on-policy distillation trains no critic
         critic_worker = TrainerGroup(CriticWorker, t.critic_ranks, t.critic_gpus, "critic",
-                                     critic, OptimConfig(learning_rate=t.critic_learning_rate, **common),
+                                     critic, OptimConfig(learning_rate=t.critic_learning_rate,
+                                                         expert_parallel=t.critic_expert_parallel, **common),
                                      cfg.algorithm.value_clip or None, dtype=cfg.model.dtype, seed=cfg.seed + 1,
                                      torch_threads=threads)
     rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,

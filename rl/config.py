@@ -117,6 +117,11 @@ class TrainerConfig:
     # split across them by tokens; ZeRO (zero_stage) shards over them. The reference lives on the actor's ranks.
     actor_ranks: int = 1
     critic_ranks: int = 1
+    # Expert parallelism (models/glm5/expert_parallel.py) for a GLM-5.2-style MoE model: the ranks split into
+    # groups of E, each rank holding 1/E of every MoE layer's routed experts (E divides the ranks and the expert
+    # count; ZeRO-1/2 partitions the rest over all ranks and the experts within the ranks holding the same ones)
+    expert_parallel: int = 1  # the actor's (and its reference's)
+    critic_expert_parallel: int = 1
     # The actor's and the critic's passes and updates at the same time: auto = when each rank of both has a GPU
     # of its own (sharing a GPU, their peaks add up: measured out of memory on one H200 beside SGLang; on the
     # CPU they share the cores and gain nothing) | on | off
@@ -207,6 +212,15 @@ def validate(cfg: Config) -> None:
         problems.append("trainer.offload_optimizer needs trainer.zero_stage >= 1 (ZeRO partitions what it offloads)")
     if cfg.trainer.offload_params and cfg.trainer.zero_stage != 3:
         problems.append("trainer.offload_params needs trainer.zero_stage=3 (only ZeRO-3 partitions parameters)")
+    t = cfg.trainer
+    for key, ep, ranks_key, ranks in (("expert_parallel", t.expert_parallel, "actor_ranks", t.actor_ranks),
+                                      ("critic_expert_parallel", t.critic_expert_parallel, "critic_ranks",
+                                       t.critic_ranks)):
+        if ep < 1 or ranks % ep:
+            problems.append(f"trainer.{key}={ep} must divide trainer.{ranks_key}={ranks}")
+        elif ep > 1 and t.zero_stage not in (1, 2):
+            problems.append(f"trainer.{key}={ep} needs trainer.zero_stage 1 or 2 (DeepSpeed partitions expert "
+                            "weights within their groups under ZeRO-1/2 only)")
     a = cfg.algorithm
     if a.dual_clip and a.dual_clip <= 1:
         problems.append(f"algorithm.dual_clip={a.dual_clip}: must be > 1 (or 0 to turn it off)")

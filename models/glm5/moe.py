@@ -89,39 +89,20 @@ class MoE(nn.Module):
         if config.moe_impl not in ("auto", "loop", "grouped"):
             raise ValueError(f"moe_impl must be 'auto', 'loop' or 'grouped', got {config.moe_impl!r}")
         self.impl = config.moe_impl
+        # Expert parallelism (models/glm5/expert_parallel.py) replaces `experts` with this rank's share of them
+        self.expert_parallel = False
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         """Grouped GEMMs on a GPU ("auto"), never under ZeRO-3 (its parameters are gathered by each expert
         module's forward hook, whatever the world size, so the stacked weights would be empty placeholders), and
         wherever asked ("grouped", also on the CPU: how the tests compare the two)."""
-        zero3 = self.run_idle_experts or hasattr(self.experts[0].gate_proj.weight, "ds_id")  # DeepSpeed's mark
-        if zero3 or self.impl == "loop" or not hasattr(torch, "_grouped_mm"):
+        if self.impl == "loop" or not hasattr(torch, "_grouped_mm"):
             return False
+        if not self.expert_parallel:  # (expert parallelism runs under ZeRO-1/2 only: models/training.py)
+            zero3 = self.run_idle_experts or hasattr(self.experts[0].gate_proj.weight, "ds_id")  # DeepSpeed's mark
+            if zero3:
+                return False
         return self.impl == "grouped" or x.is_cuda
-
-    def _grouped_experts(self, flat: torch.Tensor, tokens: torch.Tensor, expert: torch.Tensor,
-                         counts: torch.Tensor) -> torch.Tensor:
-        """Every routed expert's SwiGLU on its (token, expert) pairs — sorted by expert: tokens [P], expert [P] —
-        as two grouped GEMMs over the stacked expert weights instead of 3·E small ones.
-
-        Why: E separate matmuls with a different row count each cost a cuBLAS heuristic lookup and a launch per
-        call (on the H200 the 8-layer kernel config spent more host time in aten::mm than the GPU spent on the
-        whole step), and need the per-expert counts on the host (a sync). Each expert's rows start at a multiple
-        of 16, the alignment the grouped GEMM kernels want (padding rows are zero, belong to a group and are never
-        read back); the buffer has a fixed upper size, so nothing is read back to the host."""
-        n_pairs, dim, align = tokens.shape[0], flat.shape[-1], 16
-        padded = (counts + align - 1) // align * align
-        pad_end = padded.cumsum(0)
-        first = counts.cumsum(0) - counts  # each expert's first pair in the sorted order
-        pos = (pad_end - padded)[expert] + torch.arange(n_pairs, device=flat.device) - first[expert]
-        rows = n_pairs + (align - 1) * self.n_experts
-        x = flat.new_zeros(rows, dim).index_copy(0, pos, flat[tokens])
-        offs = F.pad(pad_end[:-1], (0, 1), value=rows).to(torch.int32)  # the tail rows: the last expert's
-        w_gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-        w_down = torch.stack([e.down_proj.weight for e in self.experts])
-        gate, up = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        h = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
-        return h[pos]
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, D] → (y [B, S, D], expert ids [B, S, k_e]). `replay` [B, S, k_e]: expert ids to use."""
@@ -136,19 +117,53 @@ class MoE(nn.Module):
         counts = flat_ids.new_zeros(self.n_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         tokens = order // k
         weights = gates.flatten()[order]
-        y = torch.zeros_like(flat)
-        if self.use_grouped(flat):
-            out = self._grouped_experts(flat, tokens, flat_ids[order], counts)
-            y.index_add_(0, tokens, (out * weights[:, None]).to(y.dtype))
+        rows = flat[tokens]  # the (token, expert) pairs' inputs, sorted by expert
+        if self.expert_parallel:  # models/glm5/expert_parallel.py: to the experts' ranks and back
+            out = self.experts(rows, counts, self.use_grouped(flat), self.run_idle_experts)
         else:
-            start = 0
-            for e, n in enumerate(counts.tolist()):
-                if n == 0 and not self.run_idle_experts:
-                    continue
-                tok = tokens[start:start + n]
-                out = self.experts[e](flat[tok]) * weights[start:start + n, None]
-                y.index_add_(0, tok, out.to(y.dtype))
-                start += n
+            out = expert_outputs(rows, flat_ids[order], counts, self.experts,
+                                 self.use_grouped(flat), self.run_idle_experts)
+        y = torch.zeros_like(flat).index_add_(0, tokens, (out * weights[:, None]).to(flat.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.view(shape), ids.view(*shape[:-1], k)
+
+
+def expert_outputs(rows: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, experts, grouped: bool,
+                   run_idle: bool = False) -> torch.Tensor:
+    """Each expert's SwiGLU on its rows: `rows` [P, D] sorted by expert (`expert` [P] their ids, `counts` [E] how
+    many each has) → [P, D] in the same order. One loop over the experts, or (`grouped`) two grouped GEMMs;
+    `run_idle` calls an expert with no rows too (on zero rows), for the collectives of ZeRO-3 and the gradient
+    buckets of ZeRO-1/2, which every rank must reach alike."""
+    if grouped:
+        return _grouped_swiglu(rows, expert, counts, experts)
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n or run_idle:
+            outs.append(experts[e](rows[start:start + n]))
+        start += n
+    return torch.cat(outs) if outs else rows[:0].clone()
+
+
+def _grouped_swiglu(rows: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
+    """`expert_outputs` as two grouped GEMMs over the stacked expert weights instead of 3·E small ones.
+
+    Why: E separate matmuls with a different row count each cost a cuBLAS heuristic lookup and a launch per call
+    (on the H200 the 8-layer kernel config spent more host time in aten::mm than the GPU spent on the whole step),
+    and need the per-expert counts on the host (a sync). Each expert's rows start at a multiple of 16, the
+    alignment the grouped GEMM kernels want (padding rows are zero, belong to a group and are never read back);
+    the buffer has a fixed upper size, so nothing is read back to the host. Every expert's weights take part
+    (an expert without rows gets a zero gradient)."""
+    n_pairs, dim, align, n_experts = rows.shape[0], rows.shape[-1], 16, len(experts)
+    padded = (counts + align - 1) // align * align
+    pad_end = padded.cumsum(0)
+    first = counts.cumsum(0) - counts  # each expert's first pair in the sorted order
+    pos = (pad_end - padded)[expert] + torch.arange(n_pairs, device=rows.device) - first[expert]
+    total = n_pairs + (align - 1) * n_experts
+    x = rows.new_zeros(total, dim).index_copy(0, pos, rows)
+    offs = F.pad(pad_end[:-1], (0, 1), value=total).to(torch.int32)  # the tail rows: the last expert's
+    w_gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+    w_down = torch.stack([e.down_proj.weight for e in experts])
+    gate, up = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    h = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+    return h[pos]

@@ -39,14 +39,14 @@ def global_batch(n: int = 7, equal: bool = False, replay: bool = False) -> list[
     return out
 
 
-def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, out: str, ep: int = 1) -> None:
     from critic.worker import CriticWorker
     from models import resolve_model_path
     from rl.actor import ActorWorker
     from rl.config import AlgorithmConfig
 
     path = str(resolve_model_path(model))
-    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero)
+    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero, expert_parallel=ep)
     dist = DistEnv(rank=rank, world_size=world, master_port=port)
     replay = role == "actor-replay"
     samples = global_batch(equal=model.startswith("glm52"), replay=replay)
@@ -69,9 +69,9 @@ def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, ou
             pickle.dump({"metrics": metrics, "state": state}, f)
 
 
-def train_world(world: int, model: str, role: str, zero: int, tmp_path) -> dict:
-    out = str(tmp_path / f"{role}-{model}-{world}-{zero}.pkl")
-    mp.spawn(_rank, args=(world, free_port(), model, role, zero, out), nprocs=world, join=True)
+def train_world(world: int, model: str, role: str, zero: int, tmp_path, ep: int = 1) -> dict:
+    out = str(tmp_path / f"{role}-{model}-{world}-{zero}-{ep}.pkl")
+    mp.spawn(_rank, args=(world, free_port(), model, role, zero, out, ep), nprocs=world, join=True)
     with open(out, "rb") as f:
         return pickle.load(f)
 
@@ -85,15 +85,17 @@ def test_shards_balance_tokens():
     assert shard_by_tokens(samples[:1], 3) == [[0], [], []]
 
 
-@pytest.mark.parametrize("role,model,world,zero", [
-    ("actor", "tiny-random", 2, 0), ("critic", "tiny-random", 2, 0), ("actor", "tiny-random", 4, 3),
-    ("critic", "tiny-random", 4, 3), ("actor", "glm52-tiny", 2, 2), ("actor", "glm52-tiny", 2, 3),
-    ("critic", "glm52-tiny", 2, 3), ("actor-replay", "glm52-tiny", 2, 3)])
-def test_n_ranks_equal_one_rank(role, model, world, zero, tmp_path):
+@pytest.mark.parametrize("role,model,world,zero,ep", [
+    ("actor", "tiny-random", 2, 0, 1), ("critic", "tiny-random", 2, 0, 1), ("actor", "tiny-random", 4, 3, 1),
+    ("critic", "tiny-random", 4, 3, 1), ("actor", "glm52-tiny", 2, 2, 1), ("actor", "glm52-tiny", 2, 3, 1),
+    ("critic", "glm52-tiny", 2, 3, 1), ("actor-replay", "glm52-tiny", 2, 3, 1),
+    # expert parallelism: E = 2 on 2 ranks, and on 4 (two expert groups, each expert on two ranks)
+    ("actor", "glm52-tiny", 2, 1, 2), ("critic", "glm52-tiny", 2, 2, 2), ("actor-replay", "glm52-tiny", 4, 2, 2)])
+def test_n_ranks_equal_one_rank(role, model, world, zero, ep, tmp_path):
     # The reference is one rank without ZeRO (plain DDP-free training), so a fault of a ZeRO stage itself shows
     # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
     one = train_world(1, model, role, 0, tmp_path)
-    many = train_world(world, model, role, zero, tmp_path)
+    many = train_world(world, model, role, zero, tmp_path, ep)
     # actor-replay: the engine's routed experts replayed in every forward (packed rows, ZeRO-3)
     prefix = "critic" if role == "critic" else "actor"
     loss = "critic/value_loss" if role == "critic" else "actor/loss"
@@ -114,13 +116,19 @@ def test_n_ranks_equal_one_rank(role, model, world, zero, tmp_path):
         assert gap > 1e-2 and one["metrics"]["mismatch/train_rollout_logprob_abs_diff"] < 1e-5
     a, b = one["state"], many["state"]
     assert a.keys() == b.keys() and len(a) > 0
-    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert worst < 1e-4, worst  # Adam's first step is ~lr·sign(g): fp32 noise in small gradients shows here
+    # Adam's first step is lr·g/(|g| + 1e-8), ~lr·sign(g): where |g| is near 1e-8, the fp32 noise of another
+    # reduction order (~1e-10) moves an element by ~lr·Δg/4ε, up to a few 1e-4 on a handful of elements (seen at
+    # 1.8e-4 in glm52-tiny's kv_b_proj under ZeRO-1, with or without experts split). A wrong gradient moves many
+    # elements by up to 2·lr = 2e-2. So: nothing off by 1e-3, and at most one element in 10,000 off by 1e-4.
+    diffs = {k: (a[k] - b[k]).abs() for k in a}
+    worst, where = max((float(d.max()), k) for k, d in diffs.items())
+    off = sum(int((d > 1e-4).sum()) for d in diffs.values()) / sum(d.numel() for d in diffs.values())
+    assert worst < 1e-3 and off < 1e-4, (worst, where, off)
     from models import load_model
 
     initial = dict(load_model(model, "value" if role == "critic" else "policy").named_parameters())
     moved = max(float((a[k] - initial[k].detach()).abs().max()) for k in a if k in initial)
-    assert moved > 100 * max(worst, 1e-7), (moved, worst)  # the step moved the weights: equality is not trivial
+    assert moved > 5e-3 and moved > 5 * worst, (moved, worst)  # the step moved the weights: equality is not trivial
 
 
 def _initial_logprobs(model: str, samples: list[dict], replay: bool) -> list[list[float]]:
@@ -139,7 +147,8 @@ def _initial_logprobs(model: str, samples: list[dict], replay: bool) -> list[lis
     return out
 
 
-def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, ops: list, out: str) -> None:
+def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, ops: list, out: str,
+            ep: int = 1) -> None:
     """One world runs `ops` in order: ("step",) a train step on its shard of the global batch, ("save", folder),
     ("load", folder); rank 0 dumps the final weights."""
     from critic.worker import CriticWorker
@@ -148,7 +157,7 @@ def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, 
     from rl.config import AlgorithmConfig
 
     path = str(resolve_model_path(model))
-    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero)
+    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero, expert_parallel=ep)
     dist = DistEnv(rank=rank, world_size=world, master_port=port)
     if role == "actor":
         worker = ActorWorker(path, optim, AlgorithmConfig(use_reference=False, mask_low=0, mask_high=0, veto=0),
@@ -170,8 +179,8 @@ def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, 
             pickle.dump(state, f)
 
 
-def run_script(world: int, model: str, role: str, zero: int, ops: list, out: str) -> dict:
-    mp.spawn(_script, args=(world, free_port(), model, role, zero, ops, out), nprocs=world, join=True)
+def run_script(world: int, model: str, role: str, zero: int, ops: list, out: str, ep: int = 1) -> dict:
+    mp.spawn(_script, args=(world, free_port(), model, role, zero, ops, out, ep), nprocs=world, join=True)
     with open(out, "rb") as f:
         return pickle.load(f)
 
@@ -202,6 +211,28 @@ def test_resume_on_another_rank_count_restores_weights_and_adam_moments(role, ze
     worker.train_step(global_batch())
     fresh = worker.gathered_state()
     assert max(float((straight[k] - fresh[k]).abs().max()) for k in straight) > 100 * max(worst, 1e-7)
+
+
+def test_expert_parallel_checkpoint_resumes_exactly_and_exports_every_expert(tmp_path):
+    """E = 2 on 2 ranks: a checkpoint (DeepSpeed's per-expert files, each rank's ZeRO-2 partition) resumes into the
+    step an uninterrupted run takes; its HF export holds every expert under its global name, equal to the
+    gathered weights; resuming on another layout is refused with the way out."""
+    from models import load_model
+
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_script(2, "glm52-tiny", "actor", 2, [("step",), ("step",)], str(tmp_path / "a.pkl"), ep=2)
+    saved = run_script(2, "glm52-tiny", "actor", 2, [("step",), ("save", ckpt)], str(tmp_path / "b0.pkl"), ep=2)
+    resumed = run_script(2, "glm52-tiny", "actor", 2, [("load", ckpt), ("step",)], str(tmp_path / "b.pkl"), ep=2)
+    worst = max(float((straight[k] - resumed[k]).abs().max()) for k in straight)
+    assert worst < 1e-5, worst
+    assert max(float((straight[k] - saved[k]).abs().max()) for k in straight) > 1e-3  # the second step moved them
+
+    exported = dict(load_model(f"{ckpt}/hf", "policy").named_parameters())
+    assert exported.keys() == saved.keys() and "model.layers.7.mlp.experts.7.down_proj.weight" in exported
+    assert all(torch.equal(exported[k].detach(), saved[k]) for k in saved)
+
+    with pytest.raises(Exception, match="expert_parallel=2"):  # the ValueError, re-raised by the spawned rank
+        run_script(1, "glm52-tiny", "actor", 2, [("load", ckpt)], str(tmp_path / "c.pkl"))
 
 
 def _stream_rank(rank: int, world: int, port: int, zero: int, folder: str, out: str) -> None:
