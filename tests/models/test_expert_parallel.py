@@ -87,7 +87,6 @@ def test_expert_parallel_layer_equals_the_whole_layer(world, ep, impl, tmp_path)
             if p.grad is not None:
                 whole_grads[n] = whole_grads.get(n, 0) + p.grad
     n_local = config.n_routed_experts // ep
-    seen = set()
     for r, rank in enumerate(ranks):
         prefix = "mlp.experts.deepspeed_moe.experts.deepspeed_experts."
         local = sorted({int(n[len(prefix):].split(".")[0]) for n in rank["names"] if n.startswith(prefix)})
@@ -96,7 +95,6 @@ def test_expert_parallel_layer_equals_the_whole_layer(world, ep, impl, tmp_path)
             if name.startswith(prefix):
                 j, rest = name[len(prefix):].split(".", 1)
                 e = (r % ep) * n_local + int(j)
-                seen.add(e)
                 ref = whole_grads.get(f"experts.{e}.{rest}")
                 if ref is None:  # an expert no rank routed to: no gradient, or a zero one
                     assert not grad.any()
