@@ -66,7 +66,8 @@ def plan_buckets(module: nn.Module, bucket_mb: float, names: list[str] | None = 
 class WeightBuckets:
     """Iterating yields one {name: full tensor} per planned bucket (an empty dict where this rank is not the
     bucket's owner); `len()` is known before the first gather, which the SGLang transports need (the last bucket
-    carries the new version)."""
+    carries the new version). It is walked once: a second `iter()` goes on where the first stopped, so that
+    `finish()` can take part in the gathers a failed consumer left (the other ranks are waiting in them)."""
 
     def __init__(self, module: nn.Module, bucket_mb: float, zero3: bool, rank: int = 0,
                  owner: Callable[[int], int] = lambda i: 0, on_device: bool = False, names: list[str] | None = None):
@@ -75,6 +76,7 @@ class WeightBuckets:
         self.params = dict(module.named_parameters())
         self.hf_names = hf_names(module)
         self.wanted = set(names) if names is not None else None
+        self._walk = None
 
     def __len__(self) -> int:
         return len(self.plan)
@@ -96,6 +98,18 @@ class WeightBuckets:
         return shard_of(self.module, name)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self._walk is None:
+            self._walk = self._buckets()
+        return self._walk
+
+    def finish(self) -> None:
+        """Walk the buckets not yet walked (their collectives), keeping nothing: what a rank whose consumer failed
+        mid-stream does, so that the ranks still walking are not left waiting in a gather."""
+        self.wanted = set()  # copy nothing
+        for _ in self:
+            pass
+
+    def _buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         for index, names in enumerate(self.plan):
             mine = self.owner(index) == self.rank
             if self.zero3:  # collective: every rank gathers this bucket, the owner copies it out

@@ -58,8 +58,9 @@ class ActorWorker(DeepSpeedWorker):
                          torch_threads, dist, tokenizer_source=model_path)
         self.reference = None
         if needs_reference(algo):
-            self.reference = self.shard_experts(load_model(model_path, "policy", dtype=dtype, device=self.device))
-            self.reference.eval()
+            # on the host first: under expert parallelism only this rank's experts then go to the device
+            self.reference = self.shard_experts(load_model(model_path, "policy", dtype=dtype))
+            self.reference.to(self.device).eval()
             self.reference.requires_grad_(False)
 
     @torch.no_grad()
@@ -207,7 +208,8 @@ class ActorWorker(DeepSpeedWorker):
     def weight_bucket_refs(self, bucket_mb: int) -> list[tuple[int, object]]:
         """This rank's share of the buckets (bucket i on rank i mod N), each put into Ray's object store once, as
         (bucket index, ref); every rollout worker pulls them from there. Under ZeRO-0..2 each rank copies its
-        share from its own full parameters, so N ranks put the model in parallel without communicating."""
+        share from its own full parameters, so N ranks put the model in parallel without communicating (but for
+        the experts under expert parallelism, gathered over their expert group)."""
         import ray
 
         stream = self.weight_stream(bucket_mb, shared=True)
@@ -234,7 +236,10 @@ class ActorWorker(DeepSpeedWorker):
         started, buckets = time.perf_counter(), self.weight_buckets(bucket_mb, on_device=True)
         if self.rank != 0:
             return self._take_part(buckets)
-        return self._pushed(asyncio.run(sync_from_tensors(urls, buckets, version, tp_sizes, pause_mode)), started)
+        try:
+            return self._pushed(asyncio.run(sync_from_tensors(urls, buckets, version, tp_sizes, pause_mode)), started)
+        finally:
+            buckets.finish()  # after a failure: the gathers the other ranks wait in
 
     def push_sglang_group(self, urls: list[str], version: int, bucket_mb: int, tp_sizes: list[int],
                           pause_mode: str, new_group: bool = False) -> dict:
@@ -256,15 +261,17 @@ class ActorWorker(DeepSpeedWorker):
             group = None
         # servers elsewhere reach us at this node's IP (the one they are advertised by, too)
         address = advertised_host("0.0.0.0") if any("127.0.0.1" not in u for u in urls) else "127.0.0.1"
-        stats, self._update_group = asyncio.run(sync_over_group(
-            urls, buckets, version, address, free_port(), tp_sizes, "nccl" if self.device.type == "cuda" else "gloo",
-            pause_mode, group, self.device))
+        try:
+            stats, self._update_group = asyncio.run(sync_over_group(
+                urls, buckets, version, address, free_port(), tp_sizes,
+                "nccl" if self.device.type == "cuda" else "gloo", pause_mode, group, self.device))
+        finally:
+            buckets.finish()  # after a failure: the gathers the other ranks wait in
         return self._pushed(stats, started)
 
     @staticmethod
-    def _take_part(buckets) -> dict:
-        for _ in buckets:  # each bucket's gather needs every rank
-            pass
+    def _take_part(buckets: WeightBuckets) -> dict:
+        buckets.finish()  # each bucket's gather needs every rank (ZeRO-3; experts under expert parallelism)
         return {}
 
     @staticmethod

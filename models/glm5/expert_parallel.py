@@ -106,7 +106,8 @@ class ExpertShard(DeepSpeedMoE):
         dist.all_to_all_single(recv_counts.view(-1), send_counts.reshape(-1).contiguous(), group=self.group)
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # the host needs the splits
         got = _AllToAll.apply(rows, send, recv, self.group)  # grouped by source rank, then by local expert
-        local_ids = torch.arange(n_local, device=rows.device).repeat(E).repeat_interleave(recv_counts.flatten())
+        local_ids = torch.arange(n_local, device=rows.device).repeat(E).repeat_interleave(
+            recv_counts.flatten(), output_size=sum(recv))  # the size given: no second host sync
         order = local_ids.argsort(stable=True)
         out = expert_outputs(got[order], local_ids[order], recv_counts.sum(0), self.local, grouped, run_idle)
         back = torch.empty_like(out).index_copy(0, order, out)  # source order again

@@ -152,8 +152,9 @@ def _grouped_swiglu(rows: torch.Tensor, expert: torch.Tensor, counts: torch.Tens
     (on the H200 the 8-layer kernel config spent more host time in aten::mm than the GPU spent on the whole step),
     and need the per-expert counts on the host (a sync). Each expert's rows start at a multiple of 16, the
     alignment the grouped GEMM kernels want (padding rows are zero, belong to a group and are never read back);
-    the buffer has a fixed upper size, so nothing is read back to the host. Every expert's weights take part
-    (an expert without rows gets a zero gradient)."""
+    the buffer has a fixed upper size, so nothing here reads back to the host (expert parallelism's all-to-all
+    needs its split sizes there, once a layer). Every expert's weights take part (one without rows gets a zero
+    gradient)."""
     n_pairs, dim, align, n_experts = rows.shape[0], rows.shape[-1], 16, len(experts)
     padded = (counts + align - 1) // align * align
     pad_end = padded.cumsum(0)

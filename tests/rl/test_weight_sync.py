@@ -61,3 +61,23 @@ def test_the_transport_follows_the_config(fleet, monkeypatch):
     assert isinstance(made, FallbackSync) and made.name == "distributed" and made.fallback.folder == "/run/weights"
     cfg.engine.sglang.weight_sync_fallback = ""
     assert make_weight_sync(cfg, workers).name == "distributed"
+
+
+def test_a_weight_stream_is_walked_once_and_finish_walks_what_a_failed_consumer_left():
+    """A sender that fails after bucket 0 leaves the other ranks waiting in bucket 1's gather (ZeRO-3, or the
+    experts under expert parallelism): `finish()` walks buckets 1.. (their collectives) and keeps nothing."""
+    import torch
+
+    from models.weight_stream import WeightBuckets
+
+    module = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
+    stream = WeightBuckets(module, bucket_mb=0.01, zero3=False)
+    walked = []
+    copy = stream._copy
+    stream._copy = lambda names, mine: walked.append(names) or copy(names, mine)
+    assert len(stream) == 4
+    first = next(iter(stream))
+    assert list(first) == ["0.weight"]
+    stream.finish()
+    assert walked == [["0.weight"], ["1.weight"], ["2.weight"], ["3.weight"]]
+    assert list(stream) == []  # walked once: nothing is gathered twice
