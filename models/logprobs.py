@@ -58,6 +58,7 @@ def policy_logprobs(
     only: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     routed_experts: torch.Tensor | None = None,
+    sequence=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) for every position of a right-padded batch → ([B, T], entropy [B, T]).
 
@@ -69,6 +70,8 @@ def policy_logprobs(
     are real tokens.
     `routed_experts` [B, T, layers, k] (a MoE policy): the experts the rollout engine chose, replayed so that the
     trainer's forward is the engine's (`replay_kwargs`).
+    `sequence` (a `models.glm5.sequence_parallel.SequenceShard`): this rank runs its chunk of the positions; the
+    result holds its columns (`sequence.owned`), zeros elsewhere (`sequence.combine` sums the ranks' into the whole).
     """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     if routed_experts is not None and "routed_experts" not in inspect.signature(backbone.forward).parameters:
@@ -76,11 +79,17 @@ def policy_logprobs(
         raise ValueError(f"{type(model).__name__} takes no routed-expert replay (engine.return_routed_experts is "
                          "for GLM-5.2 policies, models/glm5)")
     head = model.get_output_embeddings()
-    hidden = backbone(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids), use_cache=False,
-                      **replay_kwargs(routed_experts)).last_hidden_state[:, :-1]
-    targets = input_ids[:, 1:]
+    wanted = only if only is not None else attention_mask
+    if sequence is None:
+        hidden = backbone(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids), use_cache=False,
+                          **replay_kwargs(routed_experts)).last_hidden_state[:, :-1]
+        targets, select = input_ids[:, 1:], wanted[:, 1:] > 0
+    else:  # this rank's positions predict the next tokens, the sequence's last one nothing
+        hidden = backbone(input_ids=sequence.local(input_ids), cache=sequence,
+                          **_local_mask_and_positions(attention_mask, position_ids, sequence),
+                          **replay_kwargs(sequence.local(routed_experts))).last_hidden_state
+        targets, select = sequence.next_token(input_ids), sequence.next_token(wanted) > 0
     inv_t = 1.0 / max(temperature, 1e-6)
-    select = (only[:, 1:] > 0) if only is not None else attention_mask[:, 1:] > 0
     h, y = hidden[select], targets[select]  # [N, H], [N]: the positions that need a prediction
     out_lp, out_ent = [], []
     rows = max(1, chunk_size * input_ids.shape[0])
@@ -90,18 +99,32 @@ def policy_logprobs(
             else _chunk_logprobs(*args)
         out_lp.append(lp[0])
         out_ent.append(ent[0])
-    logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    logp = torch.zeros(select.shape, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(logp)
     if out_lp:
-        logp[:, 1:][select] = torch.cat(out_lp)
-        entropy[:, 1:][select] = torch.cat(out_ent)
-    return logp, entropy
+        logp = logp.masked_scatter(select, torch.cat(out_lp))
+        entropy = entropy.masked_scatter(select, torch.cat(out_ent))
+    if sequence is not None:
+        return sequence.place(logp), sequence.place(entropy)
+    return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))
+
+
+def _local_mask_and_positions(attention_mask: torch.Tensor, position_ids: torch.Tensor | None, sequence) -> dict:
+    """`_mask_and_positions` for a sequence-parallel chunk: the mask stays whole (it covers every key), the
+    positions are the chunk's."""
+    out = _mask_and_positions(attention_mask, position_ids)
+    return {**out, "position_ids": sequence.local(out["position_ids"])}
 
 
 def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 position_ids: torch.Tensor | None = None, sequence=None) -> torch.Tensor:
     """V(t) for every position, aligned like `policy_logprobs`: V(t) reads the hidden state at t-1 (the state
-    in which the action x_t is chosen). Position 0 is 0. `position_ids`: a packed row, as in `policy_logprobs`."""
+    in which the action x_t is chosen). Position 0 is 0. `position_ids`: a packed row, and `sequence`: a
+    sequence-parallel chunk, as in `policy_logprobs`."""
+    if sequence is not None:
+        scores = model(input_ids=sequence.local(input_ids), cache=sequence,
+                       **_local_mask_and_positions(attention_mask, position_ids, sequence)).logits
+        return sequence.place(scores[..., 0].float())
     scores = model(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids)).logits
     values = scores[..., 0].float()
     return F.pad(values[:, :-1], (1, 0))

@@ -122,16 +122,19 @@ class Glm5Model(nn.Module):
         if cache is None and (use_cache or (use_cache is None and self.config.use_cache and not self.training)):
             cache = Glm5Cache()
         past = cache.get_seq_length() if cache is not None else 0
+        # a sequence-parallel chunk (models/glm5/sequence_parallel.py) sees keys after its own tokens too
+        chunk = hasattr(cache, "total_keys")
+        keys = cache.total_keys if chunk else past + s
         query_index = (past + torch.arange(s, device=h.device)).expand(b, s)
-        # a packed row (given positions, no mask, no cache); read only then: it costs a host sync
+        # a packed row (given positions, no mask, no cache but a sequence chunk's); read only then: a host sync
         query_start = (packed_starts(position_ids, query_index)
-                       if position_ids is not None and attention_mask is None and past == 0 else None)
+                       if position_ids is not None and attention_mask is None and (past == 0 or chunk) else None)
         if position_ids is None:
             position_ids = query_index
         key_mask = None
         if attention_mask is not None:
-            if attention_mask.shape != (b, past + s):
-                raise ValueError(f"attention_mask must be [B, cached + new] = {(b, past + s)}, "
+            if attention_mask.shape != (b, keys):
+                raise ValueError(f"attention_mask must be [B, cached + new] = {(b, keys)}, "
                                  f"got {tuple(attention_mask.shape)}")
             key_mask = None if bool(attention_mask.bool().all()) else attention_mask.bool()
         cos, sin = rope_angles(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
@@ -318,9 +321,10 @@ class Glm5ForValue(_Glm5Base):
                 position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 indexer_topk: dict[int, torch.Tensor] | None = None,
                 routed_experts: dict[int, torch.Tensor] | None = None, use_cache: bool | None = False,
-                return_dict: bool = True) -> Glm5ValueOutput:
+                cache=None, return_dict: bool = True) -> Glm5ValueOutput:
+        """`cache`: a KV cache, or a sequence-parallel chunk (models/glm5/sequence_parallel.py)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, indexer_topk=indexer_topk,
-                         routed_experts=routed_experts)
+                         routed_experts=routed_experts, cache=cache)
         h = out.last_hidden_state
         return Glm5ValueOutput(logits=self.score(h), last_hidden_state=h, past_key_values=out.past_key_values)
