@@ -30,8 +30,8 @@ class CriticWorker(DeepSpeedWorker):
         batch = as_token_batch(samples, ())
         self.module.eval()
         batches = self.micro_batches(batch, ())
-        outputs = [token_values(self.module, mb.tensors["input_ids"], mb.tensors["attention_mask"], mb.position_ids)
-                   for mb in batches]
+        outputs = [self.whole(mb, token_values(self.module, mb.tensors["input_ids"], mb.tensors["attention_mask"],
+                                               mb.position_ids, sequence=mb.sequence)) for mb in batches]
         release_memory()
         return unbatch(batches, outputs, batch)
 
@@ -54,7 +54,7 @@ class CriticWorker(DeepSpeedWorker):
         release_memory()
         t = dict(zip(totals, self.all_reduce(list(totals.values()))))
         steps, n = len(grad_norms), max(t["n"], 1.0)
-        tokens = self.all_reduce([batch.num_tokens])[0]
+        tokens = self.shard_total(batch.num_tokens)
         elapsed = time.perf_counter() - started
         return {"critic/value_loss": t["loss"] / steps, "critic/value_clipfrac": t["clipped"] / max(t["tokens"], 1.0),
                 "critic/explained_variance": explained_variance_from_sums(t["n"], t["g"], t["g2"], t["d"], t["d2"]),
@@ -70,11 +70,12 @@ class CriticWorker(DeepSpeedWorker):
         def micro_loss(mb):
             def compute():
                 t = mb.tensors
-                values = token_values(self.module, t["input_ids"], t["attention_mask"], mb.position_ids)
+                values = token_values(self.module, t["input_ids"], t["attention_mask"], mb.position_ids,
+                                      sequence=mb.sequence)
                 if mb.padding:  # keeps this rank's collectives in step with the others; contributes nothing
                     return values.sum() * 0.0
                 per_token, clipped = value_loss(values, t["old_values"], t["returns"], self.value_clip)
-                mask = t["loss_mask"]
+                mask = self.owned(mb, t["loss_mask"])  # under sequence parallelism: the positions of this rank
                 loss = masked_sum(per_token, mask) / denom
                 totals["loss"] += float(loss.detach())
                 totals["clipped"] += float(masked_sum(clipped, mask))

@@ -118,6 +118,8 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]  # input_ids, attention_mask (1 = a real token) and per-token fields, [b, L]
     packed: bool = False  # rows of samples end to end; tensors["position_ids"] restarts at each sample
     starts: list[tuple[int, int]] = field(default_factory=list)  # (row, column) where each sample begins
+    # sequence parallelism: this rank's chunk of the positions (models/glm5/sequence_parallel.SequenceShard)
+    sequence: object | None = None
 
     @property
     def position_ids(self) -> torch.Tensor | None:

@@ -184,6 +184,7 @@ class OptimConfig:
     offload_optimizer: bool = False  # ZeRO >= 1: optimizer state and master weights in host memory
     offload_params: bool = False  # ZeRO-3: parameter shards in host memory
     expert_parallel: int = 1  # E: each rank holds 1/E of every MoE layer's routed experts (GLM-5.2)
+    sequence_parallel: int = 1  # S: groups of S ranks run the same samples, each a chunk of the positions
 
     def __post_init__(self):
         if self.expert_parallel > 1 and self.zero_stage not in (1, 2):
@@ -210,6 +211,14 @@ class DeepSpeedWorker:
         self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
         self.backend = init_distributed(dist)
         self.shard_experts(model)
+        self.sequence_group, self.sequence_rank = None, 0
+        if optim.sequence_parallel > 1:
+            from models.glm5.sequence_parallel import sequence_groups
+
+            if not type(model).__module__.startswith("models.glm5"):
+                raise ValueError(f"sequence_parallel={optim.sequence_parallel} needs a GLM-5.2-architecture model "
+                                 f"(models/glm5), not {type(model).__name__}")
+            self.sequence_group, self.sequence_rank = sequence_groups(optim.sequence_parallel)
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,
@@ -250,7 +259,31 @@ class DeepSpeedWorker:
             if self.optim.zero_stage == 3:  # one shape per micro-batch index on every rank (models/glm5/parallel.py)
                 widths = self.all_reduce([mb.tensors["input_ids"].shape[1] for mb in batches], "max")
                 batches = [mb.widened(int(w)) for mb, w in zip(batches, widths)]
+        if self.sequence_group is not None:  # the group's ranks hold the same micro-batches: each takes a chunk
+            from models.glm5.sequence_parallel import SequenceShard
+
+            s = self.optim.sequence_parallel
+            batches = [mb.widened(-(-mb.tensors["input_ids"].shape[1] // s) * s) for mb in batches]
+            for mb in batches:
+                width = mb.tensors["input_ids"].shape[1]
+                mb.sequence = SequenceShard(self.sequence_group, self.sequence_rank, s, width)
         return batches
+
+    @staticmethod
+    def owned(mb: MicroBatch, mask: torch.Tensor) -> torch.Tensor:
+        """`mask` [b, L] limited to the positions whose predictions this rank computes (all, without sequence
+        parallelism): the per-token sums of a group's ranks then add up to the whole."""
+        return mask if mb.sequence is None else mask * mb.sequence.owned(mask.shape[1], mask.device)
+
+    @staticmethod
+    def whole(mb: MicroBatch, out: torch.Tensor) -> torch.Tensor:
+        """A per-position output of `mb` on every position (the ranks' chunks summed under sequence parallelism)."""
+        return out if mb.sequence is None else mb.sequence.combine(out)
+
+    def shard_total(self, value: float) -> float:
+        """Σ over the ranks of a count of this rank's shard (samples, tokens): a sequence-parallel group's ranks
+        hold the same shard, counted once."""
+        return self.all_reduce([value])[0] / self.optim.sequence_parallel
 
     def ppo_steps(self, batch: TokenBatch, mini_batches: int, epochs: int, seed: int):
         """The optimiser steps of an update over this rank's shard: yields (epoch, the step's samples, the step's
@@ -261,7 +294,8 @@ class DeepSpeedWorker:
         groups = max(1, min(mini_batches, int(self.all_reduce([len(batch)], "min")[0])))
         for epoch, group in ppo_mini_batches(batch, groups, epochs, seed):
             local = float(group.fields["loss_mask"].sum()) if len(group) else 0.0
-            yield epoch, group, self.all_reduce([local])[0] or 1.0
+            # (a sequence-parallel group's ranks hold the same samples: counted once)
+            yield epoch, group, self.shard_total(local) or 1.0
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         """Sum (or max, min) of `values` over the ranks of this model; the values themselves on one rank."""

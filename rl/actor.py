@@ -75,11 +75,11 @@ class ActorWorker(DeepSpeedWorker):
         for mb in batches:
             args = (mb.tensors["input_ids"], mb.tensors["attention_mask"], self.temperature)
             kwargs = dict(only=mb.tensors["loss_mask"], position_ids=mb.position_ids,
-                          routed_experts=mb.tensors.get("routed_experts"))
+                          routed_experts=mb.tensors.get("routed_experts"), sequence=mb.sequence)
             if with_old:
-                old.append(policy_logprobs(self.module, *args, **kwargs)[0])
+                old.append(self.whole(mb, policy_logprobs(self.module, *args, **kwargs)[0]))
             if self.reference is not None:
-                ref.append(policy_logprobs(self.reference, *args, **kwargs)[0])
+                ref.append(self.whole(mb, policy_logprobs(self.reference, *args, **kwargs)[0]))
         release_memory()
         out = {"old_logprobs": unbatch(batches, old, batch)} if with_old else {}
         if self.reference is not None:
@@ -120,7 +120,7 @@ class ActorWorker(DeepSpeedWorker):
         release_memory()
         sums = dict(zip(sums, self.all_reduce(list(sums.values()))))
         steps = len(grad_norms)
-        tokens = self.all_reduce([batch.num_tokens])[0]
+        tokens = self.shard_total(batch.num_tokens)
         elapsed = time.perf_counter() - started
         metrics = {
             "actor/loss": sums["loss"] / steps, "actor/pg_loss": sums["pg"] / steps,
@@ -159,15 +159,18 @@ class ActorWorker(DeepSpeedWorker):
                 t = mb.tensors
                 if mb.padding:  # keeps this rank's collectives in step with the others; contributes nothing
                     logp, _ = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
-                                              position_ids=mb.position_ids)
+                                              position_ids=mb.position_ids, sequence=mb.sequence)
                     return logp.sum() * 0.0
-                mask = t["loss_mask"]
+                mask = self.owned(mb, t["loss_mask"])  # under sequence parallelism: the positions of this rank
                 logp, entropy = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
                                                 with_entropy=True, only=mask, position_ids=mb.position_ids,
-                                                routed_experts=t.get("routed_experts"))
+                                                routed_experts=t.get("routed_experts"), sequence=mb.sequence)
                 old = t["old_logprobs"] if have_old else logp.detach()
                 weights, keep, corr = rollout_correction(old, t["rollout_logprobs"], mask, a.tis_low, a.tis_high,
-                                                         a.mask_low or None, a.mask_high or None, a.veto or None)
+                                                         a.mask_low or None, a.mask_high or None, a.veto or None,
+                                                         mb.sequence.rows_any if mb.sequence else None)
+                if mb.sequence is not None and self.sequence_rank:  # a row's veto is counted by one rank
+                    corr["vetoed_sequences"] = 0.0
                 pg, stats = ppo_policy_loss(logp, old, t["advantages"], mask, a.clip_low, a.clip_high,
                                             a.dual_clip or None)
                 effective = mask * keep

@@ -75,18 +75,19 @@ def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Wo
     common = dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
                   micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing,
                   pack_micro_batches=t.pack_micro_batches, offload_optimizer=t.offload_optimizer,
-                  offload_params=t.offload_params)
+                  offload_params=t.offload_params, sequence_parallel=t.sequence_parallel)
     actor = TrainerGroup(ActorWorker, t.actor_ranks, t.actor_gpus, "actor",
                          policy, OptimConfig(learning_rate=t.learning_rate, expert_parallel=t.expert_parallel,
                                              **common), cfg.algorithm,
-                         temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=threads)
+                         temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed,
+                         torch_threads=threads, sequence_parallel=t.sequence_parallel)
     critic_worker = None
     if critic is not None:  # pure on-policy distillation trains no critic
         critic_worker = TrainerGroup(CriticWorker, t.critic_ranks, t.critic_gpus, "critic",
                                      critic, OptimConfig(learning_rate=t.critic_learning_rate,
                                                          expert_parallel=t.critic_expert_parallel, **common),
                                      cfg.algorithm.value_clip or None, dtype=cfg.model.dtype, seed=cfg.seed + 1,
-                                     torch_threads=threads)
+                                     torch_threads=threads, sequence_parallel=t.sequence_parallel)
     rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,
                           max_concurrency=cfg.engine.max_concurrent_episodes + 8,
                           max_restarts=cfg.engine.max_worker_restarts, max_task_retries=0)(RolloutWorker).remote(

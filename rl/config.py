@@ -122,6 +122,9 @@ class TrainerConfig:
     # count; ZeRO-1/2 partitions the rest over all ranks and the experts within the ranks holding the same ones)
     expert_parallel: int = 1  # the actor's (and its reference's)
     critic_expert_parallel: int = 1
+    # Sequence parallelism (models/glm5/sequence_parallel.py) for long trajectories, GLM-5.2 models: groups of S
+    # ranks of each model take the same samples, each rank a chunk of the positions (S divides both rank counts)
+    sequence_parallel: int = 1
     # The actor's and the critic's passes and updates at the same time: auto = when each rank of both has a GPU
     # of its own (sharing a GPU, their peaks add up: measured out of memory on one H200 beside SGLang; on the
     # CPU they share the cores and gain nothing) | on | off
@@ -221,6 +224,9 @@ def validate(cfg: Config) -> None:
         elif ep > 1 and t.zero_stage not in (1, 2):
             problems.append(f"trainer.{key}={ep} needs trainer.zero_stage 1 or 2 (DeepSpeed partitions expert "
                             "weights within their groups under ZeRO-1/2 only)")
+    for ranks_key, ranks in (("actor_ranks", t.actor_ranks), ("critic_ranks", t.critic_ranks)):
+        if t.sequence_parallel < 1 or ranks % t.sequence_parallel:
+            problems.append(f"trainer.sequence_parallel={t.sequence_parallel} must divide trainer.{ranks_key}={ranks}")
     a = cfg.algorithm
     if a.dual_clip and a.dual_clip <= 1:
         problems.append(f"algorithm.dual_clip={a.dual_clip}: must be > 1 (or 0 to turn it off)")

@@ -78,10 +78,14 @@ def _rendezvous() -> tuple[str, int]:
 
 
 class TrainerGroup:
-    def __init__(self, worker_cls, ranks: int, gpus_per_rank: float, role: str, *args, **kwargs):
-        if ranks < 1:
-            raise ValueError(f"{role}: a trainer group needs at least one rank, got {ranks}")
+    def __init__(self, worker_cls, ranks: int, gpus_per_rank: float, role: str, *args, sequence_parallel: int = 1,
+                 **kwargs):
+        if ranks < 1 or ranks % sequence_parallel:
+            raise ValueError(f"{role}: a trainer group needs at least one rank, a multiple of sequence_parallel="
+                             f"{sequence_parallel}; got {ranks}")
         self.role, self.ranks = role, ranks
+        # ranks [g·S, (g+1)·S) hold the same shard, each running its chunk of the positions (models/training.py)
+        self.sequence_parallel = sequence_parallel
         self.train_fields: tuple[str, ...] = worker_cls.TRAIN_FIELDS  # the per-token fields train_step reads
         self.logprob_fields: tuple[str, ...] = getattr(worker_cls, "LOGPROB_FIELDS", ("loss_mask",))
         bundle = {"CPU": CPU_PER_RANK, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
@@ -107,7 +111,9 @@ class TrainerGroup:
         """Every rank gets its shard as a TokenBatch (flat tensors of `fields`, those the samples have); the
         answer, `finish((sample indices, TokenBatch) per rank, each rank's answer)`, comes from `.result()`."""
         batch = as_token_batch(samples, fields)
-        shards = [(indices, batch.select(indices)) for indices in shard_by_tokens(batch, self.ranks)]
+        s = self.sequence_parallel
+        shards = [(indices, batch.select(indices)) for indices in shard_by_tokens(batch, self.ranks // s)
+                  for _ in range(s)]
         refs = [getattr(w, method).remote(shard, *args) for w, (_, shard) in zip(self.workers, shards)]
         return Pending(refs, lambda results: finish(shards, results), self.role)
 

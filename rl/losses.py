@@ -57,7 +57,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
 
 def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                        tis_low: float = 0.5, tis_high: float = 2.0, mask_low: float | None = 0.2,
-                       mask_high: float | None = 5.0, veto: float | None = 1e-4):
+                       mask_high: float | None = 5.0, veto: float | None = 1e-4, rows_any=None):
     """Importance weights on the behaviour policy (decoupled PPO + token TIS + two-sided mask + veto).
 
     Decoupled PPO (Hilton et al., 2022; AReaL's asynchronous loop): the tokens were sampled by μ, the engine's
@@ -69,6 +69,8 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
         ρ^μ = π_old(a) / μ(a);  w = clamp(ρ^μ, tis_low, tis_high) (stop-gradient)
         M = 1[mask_low ≤ ρ^μ ≤ mask_high];  a sequence with any ρ^μ < veto is dropped whole.
 
+    `rows_any`: combines the rows' veto flags [B] when each rank sees part of every row (sequence parallelism:
+    any rank's tokens veto the row on every rank).
     Returns (weights [B, T], keep mask [B, T], stats as masked sums).
     """
     log_rho = (old_logp - rollout_logp).clamp(-20.0, 20.0)
@@ -82,6 +84,8 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
     vetoed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     if veto is not None:
         vetoed = ((rho < veto) & mask.bool()).any(dim=1)
+        if rows_any is not None:
+            vetoed = rows_any(vetoed)
         keep = keep * (~vetoed).float().unsqueeze(1)
     stats = {"tis_truncated_tokens": masked_sum(((rho > tis_high) | (rho < tis_low)).float(), mask),
              "mismatch_masked_tokens": masked_sum(1.0 - keep, mask),

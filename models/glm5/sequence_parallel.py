@@ -26,6 +26,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+def sequence_groups(size: int):
+    """Groups of `size` consecutive ranks (every rank makes every group, as torch.distributed requires) → (this
+    rank's group, its rank in it)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"sequence_parallel={size} must divide the trainer's {world} ranks")
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = group
+    return mine, rank % size
+
+
 class _GatherSequence(torch.autograd.Function):
     """[B, c, …] on every rank → [B, S·c, …] in rank order; the backward sums the ranks' gradients of the whole and
     returns each rank its chunk's."""
@@ -88,6 +102,12 @@ class SequenceShard:
         """[width] booleans: the columns `place` fills on this rank (the others belong to other ranks)."""
         cols = torch.arange(width, device=device)
         return (cols > self.lo) & (cols <= self.hi)
+
+    def rows_any(self, flags: torch.Tensor) -> torch.Tensor:
+        """[B] booleans, true where any rank's is (a decision about a whole row from each rank's part of it)."""
+        t = flags.to(torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.bool()
 
     def combine(self, t: torch.Tensor) -> torch.Tensor:
         """The ranks' `place`d tensors summed (every column comes from one rank): the whole result, on every rank

@@ -39,21 +39,23 @@ def global_batch(n: int = 7, equal: bool = False, replay: bool = False) -> list[
     return out
 
 
-def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, out: str, ep: int = 1) -> None:
+def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, out: str, ep: int = 1,
+          sp: int = 1) -> None:
     from critic.worker import CriticWorker
     from models import resolve_model_path
     from rl.actor import ActorWorker
     from rl.config import AlgorithmConfig
 
     path = str(resolve_model_path(model))
-    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero, expert_parallel=ep)
+    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero, expert_parallel=ep,
+                        sequence_parallel=sp)
     dist = DistEnv(rank=rank, world_size=world, master_port=port)
     replay = role == "actor-replay"
     samples = global_batch(equal=model.startswith("glm52"), replay=replay)
     if replay:  # the engine sampled with the initial weights and these experts: μ is the replayed forward's
         for s, logp in zip(samples, _initial_logprobs(model, samples, replay=True)):
             s["rollout_logprobs"] = logp
-    mine = [samples[i] for i in shard_by_tokens(samples, world)[rank]]
+    mine = [samples[i] for i in shard_by_tokens(samples, world // sp)[rank // sp]]  # a sequence group: one shard
     if role.startswith("actor"):
         # no mismatch masking: the made-up behaviour logprobs are far from the model's (TIS weights still apply)
         algo = AlgorithmConfig(use_reference=False, mask_low=0, mask_high=0, veto=0)
@@ -69,9 +71,9 @@ def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, ou
             pickle.dump({"metrics": metrics, "state": state}, f)
 
 
-def train_world(world: int, model: str, role: str, zero: int, tmp_path, ep: int = 1) -> dict:
-    out = str(tmp_path / f"{role}-{model}-{world}-{zero}-{ep}.pkl")
-    mp.spawn(_rank, args=(world, free_port(), model, role, zero, out, ep), nprocs=world, join=True)
+def train_world(world: int, model: str, role: str, zero: int, tmp_path, ep: int = 1, sp: int = 1) -> dict:
+    out = str(tmp_path / f"{role}-{model}-{world}-{zero}-{ep}-{sp}.pkl")
+    mp.spawn(_rank, args=(world, free_port(), model, role, zero, out, ep, sp), nprocs=world, join=True)
     with open(out, "rb") as f:
         return pickle.load(f)
 
@@ -85,17 +87,22 @@ def test_shards_balance_tokens():
     assert shard_by_tokens(samples[:1], 3) == [[0], [], []]
 
 
-@pytest.mark.parametrize("role,model,world,zero,ep", [
-    ("actor", "tiny-random", 2, 0, 1), ("critic", "tiny-random", 2, 0, 1), ("actor", "tiny-random", 4, 3, 1),
-    ("critic", "tiny-random", 4, 3, 1), ("actor", "glm52-tiny", 2, 2, 1), ("actor", "glm52-tiny", 2, 3, 1),
-    ("critic", "glm52-tiny", 2, 3, 1), ("actor-replay", "glm52-tiny", 2, 3, 1),
+@pytest.mark.parametrize("role,model,world,zero,ep,sp", [
+    ("actor", "tiny-random", 2, 0, 1, 1), ("critic", "tiny-random", 2, 0, 1, 1), ("actor", "tiny-random", 4, 3, 1, 1),
+    ("critic", "tiny-random", 4, 3, 1, 1), ("actor", "glm52-tiny", 2, 2, 1, 1), ("actor", "glm52-tiny", 2, 3, 1, 1),
+    ("critic", "glm52-tiny", 2, 3, 1, 1), ("actor-replay", "glm52-tiny", 2, 3, 1, 1),
     # expert parallelism: E = 2 on 2 ranks, and on 4 (two expert groups, each expert on two ranks)
-    ("actor", "glm52-tiny", 2, 1, 2), ("critic", "glm52-tiny", 2, 2, 2), ("actor-replay", "glm52-tiny", 4, 2, 2)])
-def test_n_ranks_equal_one_rank(role, model, world, zero, ep, tmp_path):
+    ("actor", "glm52-tiny", 2, 1, 2, 1), ("critic", "glm52-tiny", 2, 2, 2, 1),
+    ("actor-replay", "glm52-tiny", 4, 2, 2, 1),
+    # sequence parallelism: S = 2 (48-token samples, 24 positions a rank, the indexer's top-k 16: sparse), with
+    # ZeRO-3, and composed with data and expert parallelism on 4 ranks
+    ("actor", "glm52-tiny", 2, 0, 1, 2), ("critic", "glm52-tiny", 2, 3, 1, 2),
+    ("actor-replay", "glm52-tiny", 4, 2, 2, 2)])
+def test_n_ranks_equal_one_rank(role, model, world, zero, ep, sp, tmp_path):
     # The reference is one rank without ZeRO (plain DDP-free training), so a fault of a ZeRO stage itself shows
     # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
     one = train_world(1, model, role, 0, tmp_path)
-    many = train_world(world, model, role, zero, tmp_path, ep)
+    many = train_world(world, model, role, zero, tmp_path, ep, sp)
     # actor-replay: the engine's routed experts replayed in every forward (packed rows, ZeRO-3)
     prefix = "critic" if role == "critic" else "actor"
     loss = "critic/value_loss" if role == "critic" else "actor/loss"
