@@ -153,14 +153,14 @@ def test_glm52_tiny_as_policy_and_critic(tmp_path):
     """The sparse architecture (models/glm5: MLA, DSA indexer with IndexShare, MoE) through the whole loop:
     LocalEngine rollouts with MTP speculative decoding, routed-expert replay, chunked logprobs, the value-head
     critic, DeepSpeed updates, weight sync, checkpoints; both models on two ranks with their experts split
-    between them (expert parallelism, E = 2, ZeRO-2)."""
+    between them (expert parallelism, E = 2, ZeRO-2) and each sequence too (sequence parallelism, S = 2)."""
     from rl.train import train
 
     cfg = config("model=glm52_tiny", f"output_dir={tmp_path}", "trainer.steps=1", "trainer.eval_at_start=false",
                  "trainer.verify_weight_sync=true", "logging.wandb_mode=disabled", "engine.speculative_steps=2",
                  "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "engine.return_routed_experts=true",
                  "trainer.actor_ranks=2", "trainer.critic_ranks=2", "trainer.zero_stage=2",
-                 "trainer.expert_parallel=2", "trainer.critic_expert_parallel=2")
+                 "trainer.expert_parallel=2", "trainer.critic_expert_parallel=2", "trainer.sequence_parallel=2")
     final = train(cfg)
     assert final["actor/ranks"] == 2 and final["critic/ranks"] == 2
     assert final["rollout/episodes"] == 4 and final["perf/weight_sync_max_abs_diff"] == 0.0

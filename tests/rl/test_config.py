@@ -88,7 +88,7 @@ def test_semantic_validation():
         assert key in str(err.value)
 
 
-def test_expert_parallel_is_validated():
+def test_expert_and_sequence_parallel_are_validated():
     from rl.config import validate
 
     ok = ("+experiment=coding_ppo", "trainer.actor_ranks=4", "trainer.zero_stage=2")
@@ -99,6 +99,9 @@ def test_expert_parallel_is_validated():
         validate(composed(*ok, "trainer.critic_expert_parallel=2"))
     with pytest.raises(ValueError, match="needs trainer.zero_stage 1 or 2"):
         validate(composed(*ok[:2], "trainer.zero_stage=3", "trainer.expert_parallel=2"))
+    validate(composed(*ok, "trainer.critic_ranks=2", "trainer.sequence_parallel=2", "trainer.expert_parallel=2"))
+    with pytest.raises(ValueError, match="trainer.sequence_parallel=2 must divide trainer.critic_ranks=1"):
+        validate(composed(*ok, "trainer.sequence_parallel=2"))
 
 
 def test_ppo_step_counts_are_validated():
