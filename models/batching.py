@@ -139,6 +139,15 @@ class MicroBatch:
             tensors["position_ids"][:, -extra:] = torch.arange(extra, device=tensors["position_ids"].device)
         return MicroBatch(self.indices, self.lengths, tensors, self.packed, self.starts)
 
+    def sample_ids(self) -> torch.Tensor:
+        """[b, L] which of its samples each position belongs to (0.., in `indices` order; −1: padding), so that a
+        decision about a whole sample (the mismatch veto) does not take a packed row's other samples with it."""
+        shape = self.tensors["input_ids"].shape
+        ids = torch.full(shape, -1, dtype=torch.long)
+        for j, (n, (row, col)) in enumerate(zip(self.lengths, self.starts)):
+            ids[row, col:col + n] = j
+        return ids.to(self.tensors["input_ids"].device)
+
     @property
     def padding(self) -> bool:
         """An empty micro-batch that keeps a rank's forward/backward count equal to the other ranks'."""

@@ -168,8 +168,8 @@ class ActorWorker(DeepSpeedWorker):
                 old = t["old_logprobs"] if have_old else logp.detach()
                 weights, keep, corr = rollout_correction(old, t["rollout_logprobs"], mask, a.tis_low, a.tis_high,
                                                          a.mask_low or None, a.mask_high or None, a.veto or None,
-                                                         mb.sequence.rows_any if mb.sequence else None)
-                if mb.sequence is not None and self.sequence_rank:  # a row's veto is counted by one rank
+                                                         mb.sample_ids(), mb.sequence.any_rank if mb.sequence else None)
+                if mb.sequence is not None and self.sequence_rank:  # a sample's veto is counted by one rank
                     corr["vetoed_sequences"] = 0.0
                 pg, stats = ppo_policy_loss(logp, old, t["advantages"], mask, a.clip_low, a.clip_high,
                                             a.dual_clip or None)

@@ -57,7 +57,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
 
 def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                        tis_low: float = 0.5, tis_high: float = 2.0, mask_low: float | None = 0.2,
-                       mask_high: float | None = 5.0, veto: float | None = 1e-4, rows_any=None):
+                       mask_high: float | None = 5.0, veto: float | None = 1e-4,
+                       samples: torch.Tensor | None = None, any_rank=None):
     """Importance weights on the behaviour policy (decoupled PPO + token TIS + two-sided mask + veto).
 
     Decoupled PPO (Hilton et al., 2022; AReaL's asynchronous loop): the tokens were sampled by μ, the engine's
@@ -69,8 +70,10 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
         ρ^μ = π_old(a) / μ(a);  w = clamp(ρ^μ, tis_low, tis_high) (stop-gradient)
         M = 1[mask_low ≤ ρ^μ ≤ mask_high];  a sequence with any ρ^μ < veto is dropped whole.
 
-    `rows_any`: combines the rows' veto flags [B] when each rank sees part of every row (sequence parallelism:
-    any rank's tokens veto the row on every rank).
+    `samples` [B, T]: which sample each position belongs to (−1 none; `MicroBatch.sample_ids`), so that the veto
+    drops a sample, not the other samples packed into its row (without it: a row is one sequence).
+    `any_rank`: combines the veto flags when each rank sees part of every sample (sequence parallelism: any rank's
+    tokens veto the sample on every rank).
     Returns (weights [B, T], keep mask [B, T], stats as masked sums).
     """
     log_rho = (old_logp - rollout_logp).clamp(-20.0, 20.0)
@@ -83,10 +86,18 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
         keep = keep * (rho <= mask_high).float()
     vetoed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     if veto is not None:
-        vetoed = ((rho < veto) & mask.bool()).any(dim=1)
-        if rows_any is not None:
-            vetoed = rows_any(vetoed)
-        keep = keep * (~vetoed).float().unsqueeze(1)
+        bad = (rho < veto) & mask.bool()
+        if samples is None:
+            vetoed = bad.any(dim=1)
+        else:  # per sample: any of its positions
+            count = int(samples.max()) + 1 if samples.numel() else 0
+            hits = (bad & (samples >= 0)).flatten().long()
+            vetoed = torch.zeros(count, dtype=torch.long, device=mask.device).scatter_add_(
+                0, samples.clamp(min=0).flatten(), hits) > 0
+        if any_rank is not None:
+            vetoed = any_rank(vetoed)
+        dropped = vetoed.unsqueeze(1) if samples is None else vetoed[samples.clamp(min=0)] & (samples >= 0)
+        keep = keep * (~dropped).float()
     stats = {"tis_truncated_tokens": masked_sum(((rho > tis_high) | (rho < tis_low)).float(), mask),
              "mismatch_masked_tokens": masked_sum(1.0 - keep, mask),
              "mismatch_abs_logp_sum": masked_sum((old_logp - rollout_logp).abs(), mask),

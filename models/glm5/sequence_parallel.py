@@ -103,8 +103,8 @@ class SequenceShard:
         cols = torch.arange(width, device=device)
         return (cols > self.lo) & (cols <= self.hi)
 
-    def rows_any(self, flags: torch.Tensor) -> torch.Tensor:
-        """[B] booleans, true where any rank's is (a decision about a whole row from each rank's part of it)."""
+    def any_rank(self, flags: torch.Tensor) -> torch.Tensor:
+        """Booleans, true where any rank's is (a decision about a whole sample from each rank's part of it)."""
         t = flags.to(torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.bool()

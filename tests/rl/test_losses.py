@@ -75,6 +75,25 @@ def test_rollout_correction():
     assert keep_v.sum() == 0 and stats_v["vetoed_sequences"].item() == 1
 
 
+def test_the_veto_drops_a_sample_not_the_row_it_is_packed_into():
+    """A packed row holds samples end to end: one sample's tiny ρ vetoes that sample only (once a row's)."""
+    old = torch.log(torch.full((2, 6), 0.5))
+    rollout = old.clone()
+    rollout[0, 4] = torch.log(torch.tensor(0.99999))  # ρ ≈ 0.5 < veto 0.6, in row 0's second sample
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    samples = torch.tensor([[0, 0, 0, 1, 1, 1], [2, 2, 2, 2, 2, -1]])
+    _, keep, stats = rollout_correction(old, rollout, mask, veto=0.6, mask_low=None, mask_high=None,
+                                        samples=samples)
+    assert keep.tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]]
+    assert stats["vetoed_sequences"].item() == 1
+    _, keep_row, _ = rollout_correction(old, rollout, mask, veto=0.6, mask_low=None, mask_high=None)
+    assert keep_row[0].sum() == 0  # without sample ids the row is one sequence
+    # across ranks: another rank's part of sample 2 vetoes it here too
+    _, keep_any, _ = rollout_correction(old, rollout, mask, veto=0.6, mask_low=None, mask_high=None,
+                                        samples=samples, any_rank=lambda v: v | torch.tensor([False, False, True]))
+    assert keep_any[1].sum() == 0 and keep_any[0, 1:3].tolist() == [1.0, 1.0]
+
+
 def test_masked_whiten():
     x = torch.tensor([1.0, 2.0, 3.0, 100.0])
     m = torch.tensor([1.0, 1.0, 1.0, 0.0])
