@@ -45,18 +45,18 @@ class CriticWorker(DeepSpeedWorker):
         started = time.perf_counter()
         batch = as_token_batch(samples, self.TRAIN_FIELDS)
         self.module.train()
-        # loss, clipped tokens, tokens; then over the last epoch: n, Σv, Σg, Σg², Σ(g−v), Σ(g−v)² (action tokens)
-        totals = dict.fromkeys(("loss", "clipped", "tokens", "n", "v", "g", "g2", "d", "d2"), 0.0)
-        grad_norms = []
+        # loss, clipped tokens; then over the last epoch: n, Σv, Σg, Σg², Σ(g−v), Σ(g−v)² (action tokens)
+        totals = dict.fromkeys(("loss", "clipped", "n", "v", "g", "g2", "d", "d2"), 0.0)
+        grad_norms, tokens_seen = [], 0.0  # (each step's denominator is already over every rank)
         for epoch, group, denom in self.ppo_steps(batch, mini_batches, epochs, seed):
-            totals["tokens"] += denom
+            tokens_seen += denom
             grad_norms.append(self._optimiser_step(group, denom, totals, moments=epoch == epochs - 1))
         release_memory()
         t = dict(zip(totals, self.all_reduce(list(totals.values()))))
         steps, n = len(grad_norms), max(t["n"], 1.0)
         tokens = self.shard_total(batch.num_tokens)
         elapsed = time.perf_counter() - started
-        return {"critic/value_loss": t["loss"] / steps, "critic/value_clipfrac": t["clipped"] / max(t["tokens"], 1.0),
+        return {"critic/value_loss": t["loss"] / steps, "critic/value_clipfrac": t["clipped"] / max(tokens_seen, 1.0),
                 "critic/explained_variance": explained_variance_from_sums(t["n"], t["g"], t["g2"], t["d"], t["d2"]),
                 "critic/value_mean": t["v"] / n, "critic/return_mean": t["g"] / n,
                 "critic/grad_norm": sum(grad_norms) / steps, "critic/optim_steps": steps,

@@ -59,6 +59,7 @@ def policy_logprobs(
     position_ids: torch.Tensor | None = None,
     routed_experts: torch.Tensor | None = None,
     sequence=None,
+    head_calls: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) for every position of a right-padded batch → ([B, T], entropy [B, T]).
 
@@ -72,6 +73,10 @@ def policy_logprobs(
     trainer's forward is the engine's (`replay_kwargs`).
     `sequence` (a `models.glm5.sequence_parallel.SequenceShard`): this rank runs its chunk of the positions; the
     result holds its columns (`sequence.owned`), zeros elsewhere (`sequence.combine` sums the ranks' into the whole).
+    `head_calls`: run the LM head exactly this many times (`head_calls_needed`, the most any rank needs): under
+    ZeRO-3 each call gathers the head's weight and its backward reduces its gradient, collectives every rank must
+    make alike, even a rank with nothing to predict (a sequence chunk of prompt only); by default as many as
+    `chunk_size` rows a call take.
     """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     if routed_experts is not None and "routed_experts" not in inspect.signature(backbone.forward).parameters:
@@ -92,9 +97,10 @@ def policy_logprobs(
     inv_t = 1.0 / max(temperature, 1e-6)
     h, y = hidden[select], targets[select]  # [N, H], [N]: the positions that need a prediction
     out_lp, out_ent = [], []
-    rows = max(1, chunk_size * input_ids.shape[0])
-    for start in range(0, h.shape[0], rows):
-        args = (head, h[start:start + rows].unsqueeze(0), y[start:start + rows].unsqueeze(0), inv_t, with_entropy)
+    calls = head_calls if head_calls is not None else head_calls_needed(select, input_ids.shape[0], chunk_size)
+    # (an empty piece still calls the head, and keeps the backbone in the graph of a rank with nothing to predict)
+    for piece, target in zip(h.tensor_split(calls), y.tensor_split(calls)) if calls else ():
+        args = (head, piece.unsqueeze(0), target.unsqueeze(0), inv_t, with_entropy)
         lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() \
             else _chunk_logprobs(*args)
         out_lp.append(lp[0])
@@ -107,6 +113,11 @@ def policy_logprobs(
     if sequence is not None:
         return sequence.place(logp), sequence.place(entropy)
     return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))
+
+
+def head_calls_needed(select: torch.Tensor, rows: int, chunk_size: int = 512) -> int:
+    """LM-head calls for the positions `select` marks, `chunk_size` a row of the batch's `rows` rows a call."""
+    return -(-int(select.sum()) // max(1, chunk_size * rows))
 
 
 def _local_mask_and_positions(attention_mask: torch.Tensor, position_ids: torch.Tensor | None, sequence) -> dict:

@@ -269,6 +269,18 @@ class DeepSpeedWorker:
                 mb.sequence = SequenceShard(self.sequence_group, self.sequence_rank, s, width)
         return batches
 
+    def head_calls(self, mb: MicroBatch, only: torch.Tensor) -> int | None:
+        """How many LM-head calls `policy_logprobs` makes on `mb`'s `only` positions: the most any rank needs, the
+        same on every rank, where that matters: under ZeRO-3 every call gathers the head's weight (a collective),
+        and under sequence parallelism a rank whose chunk predicts nothing must still run its backward through
+        the gathers. None (as many as this rank needs) otherwise. Every rank calls it for each micro-batch."""
+        if self.world_size == 1 or (self.optim.zero_stage != 3 and mb.sequence is None):
+            return None
+        from models.logprobs import head_calls_needed
+
+        select = (only[:, 1:] if mb.sequence is None else mb.sequence.next_token(only)) > 0
+        return max(1, int(self.all_reduce([head_calls_needed(select, only.shape[0])], "max")[0]))
+
     @staticmethod
     def owned(mb: MicroBatch, mask: torch.Tensor) -> torch.Tensor:
         """`mask` [b, L] limited to the positions whose predictions this rank computes (all, without sequence

@@ -75,7 +75,8 @@ class ActorWorker(DeepSpeedWorker):
         for mb in batches:
             args = (mb.tensors["input_ids"], mb.tensors["attention_mask"], self.temperature)
             kwargs = dict(only=mb.tensors["loss_mask"], position_ids=mb.position_ids,
-                          routed_experts=mb.tensors.get("routed_experts"), sequence=mb.sequence)
+                          routed_experts=mb.tensors.get("routed_experts"), sequence=mb.sequence,
+                          head_calls=self.head_calls(mb, mb.tensors["loss_mask"]))
             if with_old:
                 old.append(self.whole(mb, policy_logprobs(self.module, *args, **kwargs)[0]))
             if self.reference is not None:
@@ -159,12 +160,14 @@ class ActorWorker(DeepSpeedWorker):
                 t = mb.tensors
                 if mb.padding:  # keeps this rank's collectives in step with the others; contributes nothing
                     logp, _ = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
-                                              position_ids=mb.position_ids, sequence=mb.sequence)
+                                              position_ids=mb.position_ids, sequence=mb.sequence,
+                                              head_calls=self.head_calls(mb, t["attention_mask"]))
                     return logp.sum() * 0.0
                 mask = self.owned(mb, t["loss_mask"])  # under sequence parallelism: the positions of this rank
                 logp, entropy = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
                                                 with_entropy=True, only=mask, position_ids=mb.position_ids,
-                                                routed_experts=t.get("routed_experts"), sequence=mb.sequence)
+                                                routed_experts=t.get("routed_experts"), sequence=mb.sequence,
+                                                head_calls=self.head_calls(mb, t["loss_mask"]))
                 old = t["old_logprobs"] if have_old else logp.detach()
                 weights, keep, corr = rollout_correction(old, t["rollout_logprobs"], mask, a.tis_low, a.tis_high,
                                                          a.mask_low or None, a.mask_high or None, a.veto or None,

@@ -279,6 +279,9 @@ class Glm5ForCausalLM(_Glm5Base):
                 logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
         loss = None
         if labels is not None:
+            if hasattr(cache, "total_keys"):
+                raise ValueError("labels= shifts within the rows given: a sequence-parallel chunk's last position "
+                                 "predicts the next chunk's first token (use models.policy_logprobs(sequence=))")
             y = labels[:, 1:]
             keep = y != -100
             parts = chunked_head(head_ce_sum, self.lm_head, h[:, :-1][keep], y[keep], rows=loss_chunk_rows)

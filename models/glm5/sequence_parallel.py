@@ -53,9 +53,11 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None, None, None
+        # summed in fp32 (bf16 latents' gradients from S ranks would lose what one rank's sum keeps), in a copy
+        # (autograd's incoming gradient is not ours to change)
+        total = grad.to(torch.float32, copy=True).contiguous()
+        dist.all_reduce(total, group=ctx.group)
+        return total.chunk(ctx.size, dim=1)[ctx.rank].to(grad.dtype).contiguous(), None, None, None
 
 
 class SequenceShard:

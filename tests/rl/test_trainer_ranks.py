@@ -15,17 +15,19 @@ from models.batching import shard_by_tokens
 from models.training import DistEnv, OptimConfig, free_port
 
 
-def global_batch(n: int = 7, equal: bool = False, replay: bool = False) -> list[dict]:
+def global_batch(n: int = 7, equal: bool = False, replay: bool = False, late: bool = False) -> list[dict]:
     """`equal`: every sample 48 tokens, so that no rank pads its micro-batches wider than one rank does (right
     padding moves GLM-5.2's hidden states by ~1e-6, enough to flip a near-tied expert or indexer choice).
     `replay`: routed experts as an engine reports them for glm52-tiny (8 layers, the first 2 dense: −1, 2 of 8
-    experts a token; the last 3 positions never ran: −1)."""
+    experts a token; the last 3 positions never ran: −1). `late`: 30 prompt tokens, so that under sequence
+    parallelism of two a sample's first chunk predicts nothing the loss takes."""
     g = torch.Generator().manual_seed(1)
     out = []
     for i in range(n):
         length = 48 if equal else 20 + 9 * i
         ids = torch.randint(100, 4000, (length,), generator=g).tolist()
-        mask = [0] * 8 + [1] * (length - 8)
+        prompt = 30 if late else 8
+        mask = [0] * prompt + [1] * (length - prompt)
         logp = (-torch.rand(length, generator=g) * 3).tolist()  # the behaviour policy's logprobs
         out.append({"token_ids": ids, "loss_mask": mask, "rollout_logprobs": logp,
                     "advantages": [(1.0 if i % 2 else -0.5) * m for m in mask],
@@ -47,11 +49,12 @@ def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, ou
     from rl.config import AlgorithmConfig
 
     path = str(resolve_model_path(model))
-    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero, expert_parallel=ep,
-                        sequence_parallel=sp)
+    late = role == "actor-late"  # one sample a micro-batch: shards of 4 and 3 make a padding micro-batch
+    optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=48 if late else 100, zero_stage=zero,
+                        expert_parallel=ep, sequence_parallel=sp)
     dist = DistEnv(rank=rank, world_size=world, master_port=port)
     replay = role == "actor-replay"
-    samples = global_batch(equal=model.startswith("glm52"), replay=replay)
+    samples = global_batch(equal=model.startswith("glm52"), replay=replay, late=late)
     if replay:  # the engine sampled with the initial weights and these experts: μ is the replayed forward's
         for s, logp in zip(samples, _initial_logprobs(model, samples, replay=True)):
             s["rollout_logprobs"] = logp
@@ -97,7 +100,9 @@ def test_shards_balance_tokens():
     # sequence parallelism: S = 2 (48-token samples, 24 positions a rank, the indexer's top-k 16: sparse), with
     # ZeRO-3, and composed with data and expert parallelism on 4 ranks
     ("actor", "glm52-tiny", 2, 0, 1, 2), ("critic", "glm52-tiny", 2, 3, 1, 2),
-    ("actor-replay", "glm52-tiny", 4, 2, 2, 2)])
+    ("actor-replay", "glm52-tiny", 4, 2, 2, 2),
+    # a chunk with nothing to predict, and a padding micro-batch, under ZeRO-3 (the LM head's calls stay in step)
+    ("actor-late", "glm52-tiny", 4, 3, 1, 2)])
 def test_n_ranks_equal_one_rank(role, model, world, zero, ep, sp, tmp_path):
     # The reference is one rank without ZeRO (plain DDP-free training), so a fault of a ZeRO stage itself shows
     # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
