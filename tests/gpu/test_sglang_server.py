@@ -397,9 +397,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 def test_indexer_selection_against_the_real_server(tmp_path):
     """How often SGLang's DSA top-k for a token differs from our trainer's on the same weights and tokens, past the
     2,048 keys where selection begins (docs/BENCHMARKS.md). Ours in bf16 and in fp32 against SGLang's and against
-    each other separates what precision explains from what the implementations do differently. Asserts only
-    that the layouts line up (most keys shared), so the figures are measured, not assumed. Run it alone with
-    -k indexer: it starts a server of its own with `--enable-return-indexer-topk`."""
+    each other separates what precision explains from what the implementations do differently; the overlap
+    that chance alone gives (`chance_overlap`) is reported beside them, as it is high this close to the top-k.
+    Asserts only the capture's shape: the figures are measured, not assumed. Run it alone with -k indexer: it
+    starts a server of its own with `--enable-return-indexer-topk`; the raw selections go beside the report."""
     from models import load_model
     from rollout.sglang.client import SGLangClient, generate_payload
     from rollout.sglang.server import SGLangServer
@@ -453,9 +454,15 @@ def test_indexer_selection_against_the_real_server(tmp_path):
         figures[f"layer{layer}"] = {
             "sglang_vs_ours_bf16": _overlap(t, b), "sglang_vs_ours_fp32": _overlap(t, f),
             "ours_bf16_vs_fp32": _overlap(b, f)}
+    # selections of 2,048 keys drawn at random from a position's p + 1 causal keys would share 2048 / (p + 1)
+    chance = float(torch.tensor([2048 / (p + 1) for p in range(2048, len(prompt))]).mean())
     REPORT["indexer_agreement"] = {"positions": len(prompt) - 2048, "capture_layers": int(theirs.shape[1]),
-                                   "layers": figures}
+                                   "chance_overlap": chance, "layers": figures}
     print(json.dumps(REPORT["indexer_agreement"], indent=1))
     if os.environ.get("RL_GPU_REPORT"):
-        Path(os.environ["RL_GPU_REPORT"]).write_text(json.dumps(REPORT, indent=1))
-    assert all(v["sglang_vs_ours_bf16"][0] > 0.5 for v in figures.values()), figures
+        report = Path(os.environ["RL_GPU_REPORT"])
+        report.write_text(json.dumps(REPORT, indent=1))
+        torch.save({"prompt": prompt, "sglang": theirs[sparse].to(torch.int16), "full_layers": full,
+                    "ours_bf16": {i: t[sparse].to(torch.int16) for i, t in ours["bfloat16"].items()}},
+                   report.with_suffix(".pt"))  # for the analysis of what differs (docs/BENCHMARKS.md)
+    assert theirs.shape[0] == len(prompt) and all(len(v) == 3 for v in figures.values())
