@@ -42,14 +42,15 @@ def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return {full: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters() for full in names[n]}
 
 
-def plan_buckets(module: nn.Module, bucket_mb: float, names: list[str] | None = None) -> list[list[str]]:
+def plan_buckets(module: nn.Module, bucket_mb: float, names: list[str] | None = None,
+                 full: dict[str, list[str]] | None = None) -> list[list[str]]:
     """Local parameter names (all, or those standing for any of the HF `names`) in buckets of about `bucket_mb`
     MB (a bucket closes once it reaches the size), in `named_parameters` order, from the parameters' full sizes
     (ZeRO-3's, and every rank's experts under expert parallelism) without gathering."""
     limit = bucket_mb * 2**20
     buckets, current, size = [], [], 0
     wanted = set(names) if names is not None else None
-    full = hf_names(module)
+    full = full if full is not None else hf_names(module)  # (`hf_names(module)`, if the caller has it)
     for name, p in module.named_parameters():
         if wanted is not None and wanted.isdisjoint(full[name]):
             continue
@@ -72,9 +73,9 @@ class WeightBuckets:
     def __init__(self, module: nn.Module, bucket_mb: float, zero3: bool, rank: int = 0,
                  owner: Callable[[int], int] = lambda i: 0, on_device: bool = False, names: list[str] | None = None):
         self.module, self.zero3, self.rank, self.owner, self.on_device = module, zero3, rank, owner, on_device
-        self.plan = plan_buckets(module, bucket_mb, names)
-        self.params = dict(module.named_parameters())
         self.hf_names = hf_names(module)
+        self.plan = plan_buckets(module, bucket_mb, names, self.hf_names)
+        self.params = dict(module.named_parameters())
         self.wanted = set(names) if names is not None else None
         self._walk = None
 

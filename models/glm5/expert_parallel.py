@@ -133,10 +133,10 @@ def shard_experts(model: nn.Module, ep_size: int) -> int:
         raise ValueError(f"expert_parallel={ep_size}: the model has no MoE layers to split (only GLM-5.2-style "
                          "models do)")
     expert_groups(ep_size)
+    rank = dist.get_rank(groups._get_expert_parallel_group(f"ep_size_{ep_size}"))
     for m in layers:
         if m.n_experts % ep_size:
             raise ValueError(f"expert_parallel={ep_size} must divide n_routed_experts={m.n_experts}")
-        rank = dist.get_rank(groups._get_expert_parallel_group(f"ep_size_{ep_size}"))
         n_local = m.n_experts // ep_size
         mine = list(m.experts[rank * n_local:(rank + 1) * n_local])
         m.experts = ExpertShard(mine, m.n_experts, ep_size)
