@@ -345,6 +345,14 @@ class DeepSpeedWorker:
         """Every parameter's full shape, gathering nothing."""
         return full_shapes(self.module)
 
+    def close(self) -> None:
+        """Leave the process group cleanly: every rank waits for the others, then tears its communicators down.
+        A rank that simply exits while its peers still talk to it can die of SIGABRT in gloo's or NCCL's
+        threads ("terminate called without an active exception"), and NCCL warns of a leaked group."""
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
     def save_hf(self, folder: str, tokenizer_from: str | None = None) -> int:
         """HF-format folder (config.json + safetensors shards) that transformers and our engines load as it is,
         written by rank 0 one gathered shard at a time (never the whole model on one rank). Returns the bytes

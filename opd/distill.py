@@ -235,8 +235,7 @@ def distill(cfg: DistillConfig) -> dict:
             ("perf/step_s", "perf/rollout_s", "perf/train_s")])
     (run_dir / "summary.json").write_text(json.dumps(final, indent=1, default=str))
     ray.get([t.shutdown.remote() for t in teachers.values()])
-    if w.fleet is not None:
-        w.fleet.stop()
+    w.stop()
     ray.shutdown()
     return final
 

@@ -39,6 +39,14 @@ class Workers:
     sync: WeightSync | None = None  # the actor's weights to the engines (rl/weight_sync.py)
     weight_version: int = 0  # what the engines serve
 
+    def stop(self) -> None:
+        """At the run's end: the trainer ranks leave their process groups together, the engines stop."""
+        for group in (self.actor, self.critic):
+            if group is not None:
+                group.shutdown()
+        if self.fleet is not None:
+            self.fleet.stop()
+
 
 def start_ray(cfg: Config) -> None:
     if ray.is_initialized():

@@ -15,6 +15,8 @@ device (Ray sets CUDA_VISIBLE_DEVICES), so its local rank is 0; NCCL refuses two
 
 from __future__ import annotations
 
+import logging
+
 import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -26,6 +28,8 @@ from models.training import DistEnv
 # A rank's CPU reservation: a sliver, so that the ranks do not compete with the rollout workers for Ray's CPU
 # count (the processes use the cores they are given by torch_threads, not Ray's accounting).
 CPU_PER_RANK = 0.01
+
+log = logging.getLogger(__name__)
 
 
 class TrainerRankDied(RuntimeError):
@@ -178,6 +182,13 @@ class TrainerGroup:
         self._all("save_hf", folder, tokenizer_from)
 
     def shutdown(self) -> None:
+        """Ranks leave their process group together (bounded: a dead rank must not hang the run's exit), then
+        the actors go."""
+        if len(self.workers) > 1:
+            try:
+                ray.get([w.close.remote() for w in self.workers], timeout=60)
+            except Exception as e:  # noqa: BLE001 - a rank already gone: the kill below ends the rest
+                log.warning("%s ranks did not leave their process group cleanly: %s", self.role, e)
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.placement)

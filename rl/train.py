@@ -180,8 +180,7 @@ def train(cfg: Config) -> dict:
     rollouts.stop()
     final.update(background.results(wait=True))  # an evaluation still running when the loop ended
     logger.close()
-    if w.fleet is not None:
-        w.fleet.stop()
+    w.stop()
     if cfg.logging.plot:
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     (run_dir / "summary.json").write_text(json.dumps(final, indent=1, default=str))

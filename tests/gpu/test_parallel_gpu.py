@@ -69,6 +69,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         with open(out, "wb") as f:
             pickle.dump({"logp": logp.cpu(), "grads": summed}, f)
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def test_sequence_parallel_through_the_gpu_kernels_equals_one_process(tmp_path):

@@ -64,6 +64,7 @@ def _run_rank(rank: int, world: int, ep: int, impl: str, port: int, out: str) ->
         with open(out, "wb") as f:
             pickle.dump(parts, f)
     deepspeed.comm.barrier()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("world,ep,impl", [(2, 2, "loop"), (4, 2, "loop"), (4, 4, "grouped")])

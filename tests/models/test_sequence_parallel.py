@@ -81,6 +81,8 @@ def _rank(rank: int, world: int, packed: bool, port: int, out: str) -> None:
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump({"logp": logp, "ent": ent, "values": values, "grads": grads}, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("world,packed", [(2, False), (4, True), (4, False)])

@@ -5,6 +5,7 @@ Each world runs in processes of its own (torch.multiprocessing), the ranks of on
 
 from __future__ import annotations
 
+import faulthandler
 import pickle
 
 import pytest
@@ -48,6 +49,7 @@ def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, ou
     from rl.actor import ActorWorker
     from rl.config import AlgorithmConfig
 
+    faulthandler.enable(all_threads=True)  # a rank that aborts in C++ says where it was
     path = str(resolve_model_path(model))
     late = role == "actor-late"  # one sample a micro-batch: shards of 4 and 3 make a padding micro-batch
     optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=48 if late else 100, zero_stage=zero,
@@ -69,6 +71,7 @@ def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, ou
         worker = CriticWorker(path, optim, value_clip=0.2, torch_threads=1, dist=dist)
         metrics = worker.train_step(mine)
     state = worker.gathered_state()
+    worker.close()
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump({"metrics": metrics, "state": state}, f)
@@ -168,6 +171,7 @@ def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, 
     from rl.actor import ActorWorker
     from rl.config import AlgorithmConfig
 
+    faulthandler.enable(all_threads=True)
     path = str(resolve_model_path(model))
     optim = OptimConfig(learning_rate=1e-2, micro_batch_tokens=100, zero_stage=zero, expert_parallel=ep)
     dist = DistEnv(rank=rank, world_size=world, master_port=port)
@@ -186,6 +190,7 @@ def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, 
         else:
             worker.load(args[0])
     state = worker.gathered_state()
+    worker.close()
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump(state, f)
