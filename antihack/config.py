@@ -1,24 +1,53 @@
-"""Configuration of the guard and its judge, and the one place that builds them from it."""
+"""Configuration of the guard and its judge (one dataclass each, each checking itself).
+
+The guard itself is built where its judge's backend lives: `rollout.guard.build_guard` (an engine-backed judge
+is a model, which the rollout side serves); antihack only needs a backend that turns a prompt into text."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from antihack.guard import Guard
-from antihack.judge import EngineJudgeBackend, JudgeConfig, LLMJudge, OpenAIJudgeBackend
+JUDGE_BACKENDS = ("none", "engine", "openai")
+DUMMY_MODES = ("environment_consistent", "explicit_notice")
 
 
 @dataclass
-class JudgeSettings:
+class JudgeConfig:
+    """Stage 2 of the guard: the LLM judge of flagged calls (docs/ALGORITHMS.md §4.4)."""
+
     backend: str = "none"  # none | engine (a frozen local model) | openai (any OpenAI-compatible server)
-    model: str = ""  # engine: built-in name or HF folder (empty: a frozen copy of the initial policy)
+    model: str = ""  # engine: built-in name or HF folder (empty: a frozen copy of the initial policy);
+    #                   openai: the model name sent with each request (empty: "default")
     endpoint: str = ""  # openai: base URL, e.g. http://judge-host:30000/v1
-    chat_format: str = "chatml"
-    threshold: float = 0.7
+    chat_format: str = "chatml"  # engine: how the prompt is rendered for the model
+    threshold: float = 0.7  # block iff verdict == hack and confidence >= threshold
     timeout_s: float = 20.0
     retries: int = 1
-    fallback: str = "allow"  # allow | block
+    fallback: str = "allow"  # allow | block, when the judge cannot give a valid verdict
     max_new_tokens: int = 200
+    cache_size: int = 4096  # verdicts kept per (task, normalised call)
+    recent_calls: int = 3  # earlier calls shown to the judge
+
+    def problems(self, prefix: str = "guard.judge") -> list[str]:
+        """What is wrong with these settings, each as `key=value: why` (empty: nothing)."""
+        out = []
+        if self.backend not in JUDGE_BACKENDS:
+            out.append(f"{prefix}.backend={self.backend!r}: must be one of {list(JUDGE_BACKENDS)}")
+        if self.fallback not in ("allow", "block"):
+            out.append(f"{prefix}.fallback={self.fallback!r}: must be one of ['allow', 'block']")
+        if self.backend == "openai" and not self.endpoint:
+            out.append(f"{prefix}.backend=openai needs {prefix}.endpoint")
+        if not 0.0 <= self.threshold <= 1.0:
+            out.append(f"{prefix}.threshold={self.threshold}: a confidence in [0, 1]")
+        if self.timeout_s <= 0 or self.retries < 0 or self.max_new_tokens < 1:
+            out.append(f"{prefix}: timeout_s > 0, retries >= 0 and max_new_tokens >= 1 (got {self.timeout_s}, "
+                       f"{self.retries}, {self.max_new_tokens})")
+        return out
+
+    def check(self) -> "JudgeConfig":
+        if problems := self.problems():
+            raise ValueError("; ".join(problems))
+        return self
 
 
 @dataclass
@@ -26,28 +55,10 @@ class GuardConfig:
     enabled: bool = True
     rules: list[str] = field(default_factory=list)  # empty: every rule
     dummy_mode: str = "environment_consistent"  # environment_consistent | explicit_notice
-    judge: JudgeSettings = field(default_factory=JudgeSettings)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
-
-def build_guard(cfg: GuardConfig, initial_policy: str = "") -> Guard:
-    """The guard of one rollout worker. An engine-backed judge is a separate, frozen model: never the policy
-    being trained, so that it cannot co-adapt with it (docs/ALGORITHMS.md §4.4)."""
-    j = cfg.judge
-    judge = None
-    if cfg.enabled and j.backend != "none":
-        settings = JudgeConfig(backend=j.backend, endpoint=j.endpoint, model=j.model or initial_policy,
-                               threshold=j.threshold, timeout_s=j.timeout_s, retries=j.retries, fallback=j.fallback,
-                               max_new_tokens=j.max_new_tokens)
-        if j.backend == "engine":
-            from rollout.chat import make_chat_format
-            from rollout.local_engine import LocalEngine
-
-            engine = LocalEngine.from_pretrained(settings.model)
-            judge = LLMJudge(EngineJudgeBackend(engine, engine.tokenizer, make_chat_format(j.chat_format)), settings)
-        elif j.backend == "openai":
-            if not j.endpoint:
-                raise ValueError("guard.judge.backend=openai needs guard.judge.endpoint")
-            judge = LLMJudge(OpenAIJudgeBackend(j.endpoint, settings.model or "default", j.timeout_s), settings)
-        else:
-            raise ValueError(f"guard.judge.backend must be none, engine or openai, got {j.backend!r}")
-    return Guard(list(cfg.rules) or None, judge=judge, enabled=cfg.enabled, dummy_mode=cfg.dummy_mode)
+    def problems(self, prefix: str = "guard") -> list[str]:
+        out = []
+        if self.dummy_mode not in DUMMY_MODES:
+            out.append(f"{prefix}.dummy_mode={self.dummy_mode!r}: must be one of {list(DUMMY_MODES)}")
+        return out + self.judge.problems(f"{prefix}.judge")

@@ -5,8 +5,10 @@
 Each corpus line: {"id", "task": {"statement", "protected_paths": [...]}, "history": [earlier calls],
 "call": {"name", "arguments"}, "label": "hack" | "benign", "category"}. The history is replayed through the
 same guard first (so state such as a script written earlier is known), then the labelled call is decided.
-`--judge FILE` (YAML or JSON, the fields of `antihack.judge.JudgeConfig` plus `model` for the engine backend)
-adds the LLM judge; without it, flagged calls that no block rule catches are allowed (and counted as flagged).
+`--judge FILE` (YAML or JSON, the fields of `antihack.config.JudgeConfig`) adds the LLM judge; without it, flagged
+calls that no block rule catches are allowed (and counted as flagged). Here the judge is an OpenAI-compatible
+server (`backend: openai`); `python -m rollout.guard` takes the same arguments and also runs a local model
+(`backend: engine`, e.g. antihack/data/judge_local.yaml).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 from antihack.guard import Guard
-from antihack.judge import EngineJudgeBackend, JudgeConfig, LLMJudge, OpenAIJudgeBackend
+from antihack.config import JudgeConfig
+from antihack.judge import JudgeBackend, LLMJudge, OpenAIJudgeBackend
 from antihack.types import GuardContext
 from environments.types import ToolCall
 
@@ -108,26 +112,33 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-def make_judge(path: str) -> LLMJudge:
+def judge_config(path: str) -> JudgeConfig:
+    """A judge's settings from a YAML or JSON file (the fields of `antihack.config.JudgeConfig`)."""
     import yaml
 
     raw = yaml.safe_load(Path(path).read_text()) or {}
-    model = raw.pop("model", "default")
-    config = JudgeConfig(**{k: v for k, v in raw.items() if k in JudgeConfig.__dataclass_fields__}, model=model)
-    if config.backend == "openai":
-        return LLMJudge(OpenAIJudgeBackend(config.endpoint, config.model, config.timeout_s), config)
-    if config.backend == "engine":
-        from rollout.chat import make_chat_format
-        from rollout.local_engine import LocalEngine
-
-        engine = LocalEngine.from_pretrained(model if model != "default" else "smollm2-135m-instruct")
-        return LLMJudge(EngineJudgeBackend(engine, engine.tokenizer, make_chat_format(raw.get("chat_format",
-                                                                                            "chatml"))), config)
-    raise SystemExit(f"judge backend must be 'engine' or 'openai', got {config.backend!r}")
+    unknown = sorted(set(raw) - set(JudgeConfig.__dataclass_fields__))
+    if unknown:
+        raise SystemExit(f"{path}: unknown judge settings {unknown}; known: {sorted(JudgeConfig.__dataclass_fields__)}")
+    try:
+        return JudgeConfig(**raw).check()
+    except ValueError as exc:
+        raise SystemExit(f"{path}: {exc}") from None
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m antihack.evaluate", description=__doc__,
+def openai_backend(cfg: JudgeConfig) -> JudgeBackend:
+    """The backends antihack has itself; an engine of ours is the rollout side's (python -m rollout.guard)."""
+    if cfg.backend != "openai":
+        raise SystemExit(f"judge backend {cfg.backend!r} runs a local model, which the rollout side serves: "
+                         "python -m rollout.guard takes the same arguments")
+    return OpenAIJudgeBackend(cfg.endpoint, cfg.model or "default", cfg.timeout_s)
+
+
+def main(argv: list[str] | None = None, judge_backend: Callable[[JudgeConfig], JudgeBackend] = openai_backend,
+         prog: str = "python -m antihack.evaluate") -> dict:
+    """The CLI; `judge_backend` builds the judge's backend from its settings (rollout.guard passes one that
+    also runs engines)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default=DEFAULT_CORPUS)
     p.add_argument("--judge", default=None, help="judge config (YAML/JSON); default: rules only")
@@ -136,7 +147,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows, skipped = load_corpus(args.corpus)
     for index, reason in skipped:
         print(f"corpus line {index} skipped: {reason}", file=sys.stderr)
-    guard = Guard(judge=make_judge(args.judge) if args.judge else None)
+    judge = None
+    if args.judge:
+        cfg = judge_config(args.judge)
+        judge = LLMJudge(judge_backend(cfg), cfg)
+    guard = Guard(judge=judge)
     started = time.perf_counter()
     report = summarize(asyncio.run(run(guard, rows)))
     report["seconds"] = time.perf_counter() - started

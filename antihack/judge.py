@@ -1,8 +1,9 @@
 """Stage 2 of the guard: an LLM judge of intent, asked only about flagged calls (docs/ALGORITHMS.md §4.4).
 
 The judge reads the task, the recent calls, the flagged call and the rule hits, and answers with one JSON
-object that we validate strictly. Backends: any `rollout.Engine` (the local one by default; token in/out
-through a chat format) or any OpenAI-compatible chat endpoint (an SGLang server, vLLM, a hosted API).
+object that we validate strictly. The judge is handed a backend (`JudgeBackend`: a prompt in, text out): here,
+any OpenAI-compatible chat endpoint (an SGLang server, vLLM, a hosted API); on the rollout side, an engine of ours
+(`rollout.guard.EngineJudgeBackend`, token in/out through a chat format).
 Verdicts are cached per (task, normalised call); a judge that fails, times out or answers off-schema after
 its retries gives the configured fallback, logged as such.
 """
@@ -15,9 +16,9 @@ import re
 import time
 import urllib.request
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Protocol
 
+from antihack.config import JudgeConfig
 from antihack.types import GuardContext, RuleHit, Verdict
 from environments.types import ToolCall
 
@@ -43,20 +44,6 @@ Answer with one JSON object and nothing else:
 "confidence": <0.0-1.0>, "reason": "<at most two sentences>"}}"""
 
 _JSON = re.compile(r"\{.*\}", re.DOTALL)
-
-
-@dataclass
-class JudgeConfig:
-    backend: str = "engine"  # engine | openai
-    endpoint: str = ""  # openai: base URL, e.g. http://127.0.0.1:30000/v1
-    model: str = "default"  # openai: model name sent with the request
-    threshold: float = 0.7  # block iff verdict == hack and confidence >= threshold
-    timeout_s: float = 20.0
-    retries: int = 1
-    fallback: str = "allow"  # allow | block, when the judge cannot give a valid verdict
-    max_new_tokens: int = 200
-    cache_size: int = 4096
-    recent_calls: int = 3
 
 
 class JudgeError(ValueError):
@@ -85,25 +72,9 @@ def parse_verdict(text: str) -> dict:
 
 
 class JudgeBackend(Protocol):
+    """What the judge talks to: one prompt in, the model's text out (greedy)."""
+
     async def complete(self, prompt: str, max_new_tokens: int) -> str: ...
-
-
-class EngineJudgeBackend:
-    """Greedy completion on a `rollout.Engine` (token in / token out through a chat format)."""
-
-    def __init__(self, engine, tokenizer, chat):
-        self.engine, self.tokenizer, self.chat = engine, tokenizer, chat
-
-    async def complete(self, prompt: str, max_new_tokens: int) -> str:
-        from rollout.chat import Message
-        from rollout.types import SamplingParams
-
-        text = self.chat.render([Message("user", prompt)])
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        stops = tuple(self.chat.stop_token_ids(self.tokenizer))
-        result = await self.engine.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
-                                                                stop_token_ids=stops))
-        return self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
 
 
 class OpenAIJudgeBackend:
@@ -138,9 +109,7 @@ def normalise_call(call: ToolCall) -> str:
 class LLMJudge:
     def __init__(self, backend: JudgeBackend, config: JudgeConfig | None = None):
         self.backend = backend
-        self.config = config or JudgeConfig()
-        if self.config.fallback not in ("allow", "block"):
-            raise ValueError(f"judge fallback must be 'allow' or 'block', got {self.config.fallback!r}")
+        self.config = (config or JudgeConfig()).check()
         self._cache: OrderedDict[tuple[str, str], dict] = OrderedDict()
         self.stats = {"calls": 0, "cache_hits": 0, "failures": 0, "retries": 0}
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from antihack.config import GuardConfig, JudgeSettings
+from antihack.config import GuardConfig, JudgeConfig
 from environments.tasks import SHIPPED_TASKS
 from rollout.config import AgentConfig, CompactionConfig, EngineConfig
 
@@ -161,7 +161,7 @@ def register_configs() -> None:
 
 
 __all__ = ["Config", "ModelConfig", "EngineConfig", "EnvConfig", "SandboxLimitsConfig", "GuardConfig",
-           "JudgeSettings", "AlgorithmConfig", "TrainerConfig", "AgentConfig", "CompactionConfig", "LoggingConfig",
+           "JudgeConfig", "AlgorithmConfig", "TrainerConfig", "AgentConfig", "CompactionConfig", "LoggingConfig",
            "register_configs"]
 
 
@@ -200,11 +200,7 @@ def validate(cfg: Config) -> None:
         problems.append(f"engine.speculative_steps={cfg.engine.speculative_steps}: a count ≥ 0, for the LocalEngine "
                         "(SGLang servers take their own --speculative-* arguments in engine.sglang.args)")
     one_of("env.reward", cfg.env.reward, ["pass_fraction", "binary"])
-    one_of("guard.dummy_mode", cfg.guard.dummy_mode, ["environment_consistent", "explicit_notice"])
-    one_of("guard.judge.backend", cfg.guard.judge.backend, ["none", "engine", "openai"])
-    one_of("guard.judge.fallback", cfg.guard.judge.fallback, ["allow", "block"])
-    if cfg.guard.judge.backend == "openai" and not cfg.guard.judge.endpoint:
-        problems.append("guard.judge.backend=openai needs guard.judge.endpoint")
+    problems += cfg.guard.problems()
     one_of("algorithm.name", cfg.algorithm.name, ["ppo"])
     one_of("algorithm.kl_estimator", cfg.algorithm.kl_estimator, ["k1", "k2", "k3"])
     one_of("model.chat_format", cfg.model.chat_format, ["chatml", "glm"])

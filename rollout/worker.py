@@ -14,11 +14,12 @@ import os
 import torch
 
 from antihack import Guard
-from antihack.config import GuardConfig, build_guard
+from antihack.config import GuardConfig
 from environments import TOOL_SPECS, Task
 from rollout.agent import AgentEpisode, EpisodeRuntime
 from rollout.chat import make_chat_format
 from rollout.config import AgentConfig, EngineConfig
+from rollout.guard import build_guard
 from rollout.local_engine import LocalEngine
 from rollout.sglang.engine import SGLangEngine
 from rollout.tool_parsers import make_tool_parser

@@ -169,7 +169,7 @@ def load_hf(folder: str | Path, role: str = "policy", dtype: torch.dtype | str =
     from safetensors import safe_open
 
     from models.glm5.model import Glm5ForCausalLM, Glm5ForValue
-    from models.loading import to_dtype
+    from models.dtypes import to_dtype
 
     dtype = to_dtype(dtype)
     folder = Path(folder)

@@ -57,11 +57,30 @@ def test_bad_corpus_lines_are_reported(tmp_path):
 
 
 def test_judge_from_config(tmp_path, tiny_path):
-    from antihack.config import GuardConfig, JudgeSettings, build_guard
+    from antihack.config import GuardConfig, JudgeConfig
+    from rollout.guard import build_guard
 
-    guard = build_guard(GuardConfig(judge=JudgeSettings(backend="engine", model=tiny_path, max_new_tokens=4)))
+    guard = build_guard(GuardConfig(judge=JudgeConfig(backend="engine", model=tiny_path, max_new_tokens=4)))
     assert guard.judge is not None and guard.judge.config.model == tiny_path
     guard.judge.backend.engine.close()
     with pytest.raises(ValueError, match="endpoint"):
-        build_guard(GuardConfig(judge=JudgeSettings(backend="openai")))
+        build_guard(GuardConfig(judge=JudgeConfig(backend="openai")))
+    with pytest.raises(ValueError, match="fallback"):
+        build_guard(GuardConfig(judge=JudgeConfig(backend="engine", fallback="maybe")))
     assert build_guard(GuardConfig()).judge is None
+    assert build_guard(GuardConfig(enabled=False, judge=JudgeConfig(backend="openai", endpoint="http://x"))).judge is None
+
+
+def test_evaluate_cli_judge_settings(tmp_path):
+    """antihack's CLI takes an OpenAI-compatible judge and says where an engine judge runs; a misspelt setting is
+    refused by name."""
+    from antihack.evaluate import main
+
+    engine = tmp_path / "engine.yaml"
+    engine.write_text("backend: engine\nmodel: smollm2-135m-instruct\n")
+    with pytest.raises(SystemExit, match="rollout.guard"):
+        main(["--corpus", DEFAULT_CORPUS, "--judge", str(engine)])
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("backend: openai\nendpoint: http://127.0.0.1:9/v1\nthreshhold: 0.5\n")
+    with pytest.raises(SystemExit, match="threshhold"):
+        main(["--corpus", DEFAULT_CORPUS, "--judge", str(typo)])

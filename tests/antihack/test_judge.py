@@ -85,8 +85,8 @@ def test_failures_fall_back_as_configured(fallback):
 def test_concurrent_decisions_are_batched_by_the_engine_backend(tiny_path):
     """The real LocalEngine as judge: a random tiny model answers off-schema, which must fall back cleanly; the
     calls of concurrent episodes share engine batches."""
-    from antihack import EngineJudgeBackend
     from rollout.chat import make_chat_format
+    from rollout.guard import EngineJudgeBackend
     from rollout.local_engine import LocalEngine
 
     engine = LocalEngine.from_pretrained(tiny_path, max_batch_size=8)
