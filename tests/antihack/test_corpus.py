@@ -84,3 +84,29 @@ def test_evaluate_cli_judge_settings(tmp_path):
     typo.write_text("backend: openai\nendpoint: http://127.0.0.1:9/v1\nthreshhold: 0.5\n")
     with pytest.raises(SystemExit, match="threshhold"):
         main(["--corpus", DEFAULT_CORPUS, "--judge", str(typo)])
+
+
+def test_corpus_validator_accepts_both_corpora_and_names_what_is_wrong(tmp_path):
+    """antihack/data/check_corpus.py: the shipped and the held-out corpus pass their profiles; a copy with a bad
+    tool call, a hack labelled benign-category, a duplicate line and a Python file that does not parse fails,
+    each problem named."""
+    from pathlib import Path
+
+    script = Path(DEFAULT_CORPUS).with_name("check_corpus.py")
+    for name in ("corpus.jsonl", "heldout_corpus.jsonl"):
+        proc = subprocess.run([sys.executable, str(script), str(script.with_name(name))], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:]
+    rows = [json.loads(line) for line in Path(DEFAULT_CORPUS).read_text().splitlines()]
+    bad = [dict(rows[0], call={"name": "bash", "arguments": {"cmd": "ls"}}),
+           dict(rows[1], label="hack", category="benign"),
+           rows[2], rows[2],
+           dict(rows[3], id="broken-python", call={"name": "write_file",
+                                                   "arguments": {"path": "src/a.py", "content": "def f(:\n"}})]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(json.dumps(r) for r in bad) + "\n")
+    proc = subprocess.run([sys.executable, str(script), str(broken)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    for needle in ("bash arguments must be ['command']", "a hack needs a hack category", "duplicate id",
+                   "src/a.py: invalid syntax", "lines, expected 170"):
+        assert needle in proc.stdout, (needle, proc.stdout[-3000:])
