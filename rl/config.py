@@ -12,7 +12,8 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 
 from antihack.config import GuardConfig, JudgeConfig
-from environments.tasks import SHIPPED_TASKS
+from environments.config import EnvConfig
+from environments.sandbox import SandboxLimits
 from rollout.config import AgentConfig, CompactionConfig, EngineConfig
 
 
@@ -23,29 +24,6 @@ class ModelConfig:
     dtype: str = "float32"
     chat_format: str = "chatml"  # chatml | glm
     tool_format: str = "json"  # json | glm
-
-
-@dataclass
-class SandboxLimitsConfig:
-    timeout_s: float = 20.0
-    memory_mb: int = 1024
-    cpu_s: int = 60
-    max_processes: int = 64
-    max_file_mb: int = 16
-
-
-@dataclass
-class EnvConfig:
-    tasks: str = SHIPPED_TASKS  # JSONL / parquet file, saved dataset folder, or hub dataset name
-    train_split: str = "train"
-    eval_split: str = "heldout"
-    # Another task set (every record, one episode each, e.g. "humaneval") evaluated before the first and after
-    # the last step, logged under eval_extra/: transfer beyond the training distribution, same sampling.
-    extra_eval_tasks: str = ""
-    sandbox: str = "bwrap"  # bwrap | docker
-    reward: str = "pass_fraction"  # pass_fraction | binary
-    grade_timeout_s: float = 60.0
-    limits: SandboxLimitsConfig = field(default_factory=SandboxLimitsConfig)
 
 
 @dataclass
@@ -160,7 +138,7 @@ def register_configs() -> None:
     cs.store(name="config_schema", node=Config)
 
 
-__all__ = ["Config", "ModelConfig", "EngineConfig", "EnvConfig", "SandboxLimitsConfig", "GuardConfig",
+__all__ = ["Config", "ModelConfig", "EngineConfig", "EnvConfig", "SandboxLimits", "GuardConfig",
            "JudgeConfig", "AlgorithmConfig", "TrainerConfig", "AgentConfig", "CompactionConfig", "LoggingConfig",
            "register_configs"]
 
@@ -195,11 +173,10 @@ def validate(cfg: Config) -> None:
         if sg.weight_sync == "tensor" and sg.urls:
             problems.append("engine.sglang.weight_sync=tensor needs servers on the trainer's GPUs; attached "
                             "servers (engine.sglang.urls) take distributed or disk")
-    one_of("env.sandbox", cfg.env.sandbox, ["bwrap", "docker"])
+    problems += cfg.env.problems()
     if cfg.engine.speculative_steps < 0 or (cfg.engine.speculative_steps and cfg.engine.type != "local"):
         problems.append(f"engine.speculative_steps={cfg.engine.speculative_steps}: a count ≥ 0, for the LocalEngine "
                         "(SGLang servers take their own --speculative-* arguments in engine.sglang.args)")
-    one_of("env.reward", cfg.env.reward, ["pass_fraction", "binary"])
     problems += cfg.guard.problems()
     one_of("algorithm.name", cfg.algorithm.name, ["ppo"])
     one_of("algorithm.kl_estimator", cfg.algorithm.kl_estimator, ["k1", "k2", "k3"])
