@@ -35,7 +35,7 @@ def run_one(experiment: str, k: int, steps: int, out_dir: Path, overrides: list[
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"K={k} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    from rl.metrics import read_metrics
+    from rl.run_log import read_metrics
 
     records = [r for r in read_metrics(out_dir / name / "metrics.jsonl") if r["step"] > 0]
     middle = records[1:-1] or records

@@ -30,8 +30,8 @@ from rl.checkpoint import Checkpointer
 from rl.cluster import Workers, guard_metrics, rollout_worker_kwargs, run_episodes, spawn, start_ray
 from rl.config import validate
 from rl.data import TaskSampler
-from rl.metrics import MetricsLogger, plot_curves
-from rl.stats import trajectory_metrics
+from rl.run_log import MetricsLogger, plot_curves
+from rl.trajectory_metrics import trajectory_metrics
 from rl.loop import TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
 
 log = logging.getLogger("opd.distill")

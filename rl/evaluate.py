@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from environments import load_tasks
 from models import resolve_model_path
 from rl.config import Config, register_configs
-from rl.stats import trajectory_metrics
+from rl.trajectory_metrics import trajectory_metrics
 from rollout.sglang.fleet import SGLangFleet
 from rollout.worker import RolloutWorker
 

@@ -28,9 +28,9 @@ from rl.config import Config, overlaps_models, register_configs, validate
 from rl.data import TaskSampler
 from rl.group import TrainerRankDied
 from rl.loop import BackgroundEval, TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
-from rl.metrics import MetricsLogger, plot_curves
+from rl.run_log import MetricsLogger, plot_curves
 from rl.rollout_manager import RolloutManager
-from rl.stats import trajectory_metrics
+from rl.trajectory_metrics import trajectory_metrics
 
 log = logging.getLogger("rl.train")
 EVAL_SLOTS = 4  # a background evaluation's episodes at a time per rollout worker (cluster.spawn leaves 8 spare)

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rl.metrics import read_metrics
+from rl.run_log import read_metrics
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rl.config import register_configs
-from rl.metrics import read_metrics
+from rl.run_log import read_metrics
 
 from .scripted_policy import make_scripted_judge, make_scripted_policy
 

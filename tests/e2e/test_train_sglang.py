@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.metrics import read_metrics
+from rl.run_log import read_metrics
 
 from .scripted_policy import make_scripted_policy
 from .test_train_loop import config

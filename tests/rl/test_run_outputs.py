@@ -7,7 +7,7 @@ import pytest
 from environments import Task, TaskFile
 from rl.checkpoint import Checkpointer
 from rl.data import TaskSampler
-from rl.metrics import MetricsLogger, plot_curves, read_metrics
+from rl.run_log import MetricsLogger, plot_curves, read_metrics
 from rl.loop import TimeLimit, runs_out
 
 
