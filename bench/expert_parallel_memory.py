@@ -5,7 +5,7 @@ for GLM-5.2 at 744B.
 
 A GLM-5.2-shaped model scaled down (the routed experts are most of the parameters, as in the real one: 97% there)
 is trained one step on R gloo ranks (CPU) with E = each of `--eps`, through the trainer's own DeepSpeed set-up
-(models/training.py, models/glm5/expert_parallel.py). Per rank, measured after the step: the weights it holds
+(models/deepspeed_worker.py, models/glm5/expert_parallel.py). Per rank, measured after the step: the weights it holds
 (dense and expert parameters), and the optimizer state ZeRO gave it (the fp32 master partition and Adam's two
 moments). Predicted, per rank, from the parameter counts alone:
 
@@ -42,7 +42,7 @@ def config(experts: int, layers: int):
 def _rank(rank: int, world: int, ep: int, experts: int, layers: int, port: int, out: str) -> None:
     from models.glm5.expert_parallel import shard_experts
     from models.glm5.tiny import build_random
-    from models.training import DistEnv, deepspeed_engine, init_distributed
+    from models.deepspeed_worker import DistEnv, deepspeed_engine, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(DistEnv(rank=rank, world_size=world, master_port=port))
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args()
-    from models.training import free_port
+    from models.deepspeed_worker import free_port
 
     results = []
     for ep in args.eps:

@@ -76,7 +76,7 @@ def peak_gpu_mib() -> float:
 
 def run_world(ranks: int, packed: bool, args) -> dict:
     from critic.worker import CriticWorker
-    from models.training import OptimConfig
+    from models.deepspeed_worker import OptimConfig
     from rl.actor import ActorWorker
     from rl.config import AlgorithmConfig
     from rl.group import TrainerGroup

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--paths", nargs="+", default=["object", "tensor", "distributed", "disk"])
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    from models.training import OptimConfig
+    from models.deepspeed_worker import OptimConfig
     from rl.actor import ActorWorker
     from rl.config import AlgorithmConfig
     from rl.group import TrainerGroup

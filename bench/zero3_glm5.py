@@ -22,7 +22,7 @@ import torch
 
 from models.glm5.config import Glm5Config
 from models.glm5.tiny import KERNEL_CONFIG, REFERENCE_CONFIG, TINY_CONFIG, build_random
-from models.training import (
+from models.deepspeed_worker import (
     DistEnv,
     accumulate_and_step,
     deepspeed_engine,
@@ -112,7 +112,7 @@ def _spawned(rank: int, world: int, port: int, args, folder: str) -> None:
 def run_world(world: int, args, folder: Path) -> dict:
     import torch.multiprocessing as mp
 
-    from models.training import free_port
+    from models.deepspeed_worker import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")

@@ -9,7 +9,7 @@ import torch
 from critic.losses import explained_variance_from_sums, masked_sum, value_loss
 from models import load_model, to_dtype, token_values
 from models.batching import TokenBatch, as_token_batch, unbatch
-from models.training import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
+from models.deepspeed_worker import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
 
 
 class CriticWorker(DeepSpeedWorker):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from models.dtypes import to_dtype
-from models.hub import resolve_model_path
+from models.registry import resolve_model_path
 
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer

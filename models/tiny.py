@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from models.hub import cached_random_model, register_builtin
+from models.registry import cached_random_model, register_builtin
 
 TINY = "tiny-random"
 

@@ -10,7 +10,7 @@ import torch
 from critic.losses import masked_sum
 from models import load_model, policy_logprobs, to_dtype
 from models.batching import TokenBatch, as_token_batch, unbatch
-from models.training import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
+from models.deepspeed_worker import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
 from models.weight_stream import WeightBuckets
 from rl.config import AlgorithmConfig
 from rl.losses import kl_estimate, ppo_policy_loss, rollout_correction
@@ -251,7 +251,7 @@ class ActorWorker(DeepSpeedWorker):
                           pause_mode: str, new_group: bool = False) -> dict:
         """A broadcast over a process group with the servers (NCCL; gloo on the CPU), kept for the next sync
         unless `new_group` or broken (a member died)."""
-        from models.training import free_port
+        from models.deepspeed_worker import free_port
         from rollout.sglang.server import advertised_host
         from rollout.sglang.weights import sync_over_group
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from critic.worker import CriticWorker
 from environments import Task
-from models.training import OptimConfig
+from models.deepspeed_worker import OptimConfig
 from rl.actor import ActorWorker
 from rl.config import Config
 from rl.group import TrainerGroup

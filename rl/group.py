@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from models.batching import as_token_batch, shard_by_tokens
-from models.training import DistEnv
+from models.deepspeed_worker import DistEnv
 
 # A rank's CPU reservation: a sliver, so that the ranks do not compete with the rollout workers for Ray's CPU
 # count (the processes use the cores they are given by torch_threads, not Ray's accounting).
@@ -88,7 +88,7 @@ class TrainerGroup:
             raise ValueError(f"{role}: a trainer group needs at least one rank, a multiple of sequence_parallel="
                              f"{sequence_parallel}; got {ranks}")
         self.role, self.ranks = role, ranks
-        # ranks [g·S, (g+1)·S) hold the same shard, each running its chunk of the positions (models/training.py)
+        # ranks [g·S, (g+1)·S) hold the same shard, each running its chunk of the positions (models/deepspeed_worker.py)
         self.sequence_parallel = sequence_parallel
         self.train_fields: tuple[str, ...] = worker_cls.TRAIN_FIELDS  # the per-token fields train_step reads
         self.logprob_fields: tuple[str, ...] = getattr(worker_cls, "LOGPROB_FIELDS", ("loss_mask",))

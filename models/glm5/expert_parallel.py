@@ -24,7 +24,7 @@ its local experts where DeepSpeed's checkpointing looks for them (`deepspeed_moe
 Not used: DeepSpeed's MoE layer itself (its top-k gate with a capacity factor drops tokens and has no selection
 bias), and AutoEP (its DeepSeek-V3 router has no aux-free selection bias, which GLM-5.2 routes by, and no
 replay of the engine's experts). DeepSpeed's native MoE runs under ZeRO-1/2, not ZeRO-3: so does this (checked in
-models.training.OptimConfig); with the experts split E ways, ZeRO-3's parameter partitioning matters far less.
+models.deepspeed_worker.OptimConfig); with the experts split E ways, ZeRO-3's parameter partitioning matters far less.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class MoE(nn.Module):
         wherever asked ("grouped", also on the CPU: how the tests compare the two)."""
         if self.impl == "loop" or not hasattr(torch, "_grouped_mm"):
             return False
-        if not self.expert_parallel:  # (expert parallelism runs under ZeRO-1/2 only: models/training.py)
+        if not self.expert_parallel:  # (expert parallelism runs under ZeRO-1/2 only: models/deepspeed_worker.py)
             zero3 = self.run_idle_experts or hasattr(self.experts[0].gate_proj.weight, "ds_id")  # DeepSpeed's mark
             if zero3:
                 return False

@@ -16,7 +16,7 @@ and the indexer's fp32 `weights_proj.weight`), so they are registered as its ext
 that, GLM-5.2 with its indexer trains under ZeRO-3 like one rank without ZeRO (tests/rl/test_trainer_ranks.py).
 (An earlier reading that its ZeRO-3 gradients differed from ZeRO-0's had another cause: the trainer's forwards
 bypassed engine.forward, where ZeRO-3 counts micro-steps, so only the last micro-batch's gradient survived;
-models/training.py's `accumulate_and_step` now does that bookkeeping.) Expert parallelism (each rank owning
+models/deepspeed_worker.py's `accumulate_and_step` now does that bookkeeping.) Expert parallelism (each rank owning
 whole experts) is SGLang's serving layout (docs/SCALING.md); the trainer's is its own issue.
 """
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from models.glm5.config import Glm5Config
-from models.hub import cached_random_model, register_builtin
+from models.registry import cached_random_model, register_builtin
 
 GLM52_TINY = "glm52-tiny"  # a tiny random GLM-5.2, for tests
 GLM52_SMALL = "glm52-small"  # the smallest random GLM-5.2 SGLang's kernels serve

@@ -26,7 +26,7 @@ def config(*overrides):
 
 def test_distill_two_teachers_then_resume(tmp_path):
     """The first step trains the student on two DeepSpeed ranks (ZeRO-2); the resume continues on one, through
-    the universal checkpoint (models/training.py)."""
+    the universal checkpoint (models/deepspeed_worker.py)."""
     from opd.distill import distill
 
     final = distill(config(f"output_dir={tmp_path}", "trainer.steps=1", "trainer.actor_ranks=2",

@@ -73,7 +73,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_sequence_parallel_through_the_gpu_kernels_equals_one_process(tmp_path):
-    from models.training import free_port
+    from models.deepspeed_worker import free_port
 
     out = str(tmp_path / "sp.pkl")
     mp.spawn(_rank, args=(free_port(), out), nprocs=2, join=True)

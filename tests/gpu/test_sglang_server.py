@@ -234,7 +234,7 @@ def test_update_weights_from_tensor_colocated(served):
                     reason="NCCL refuses two ranks on one GPU: the distributed sync needs the server on a second GPU")
 def test_update_weights_from_distributed_nccl(served, tmp_path):
     """Trainer (this process, rank 0, GPU 0) → a server on GPU 1 over NCCL: the disaggregated layout."""
-    from models.training import free_port
+    from models.deepspeed_worker import free_port
     from rollout.sglang.server import SGLangServer
     from rollout.sglang.weights import sync_over_group
 

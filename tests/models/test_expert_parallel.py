@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from models.glm5.config import Glm5Config
 from models.glm5.moe import MoE
 from models.glm5.tiny import TINY_CONFIG
-from models.training import free_port
+from models.deepspeed_worker import free_port
 
 TOKENS = 5
 
@@ -45,7 +45,7 @@ def _run_rank(rank: int, world: int, ep: int, impl: str, port: int, out: str) ->
     import deepspeed
 
     from models.glm5.expert_parallel import shard_experts
-    from models.training import DistEnv, init_distributed
+    from models.deepspeed_worker import DistEnv, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(DistEnv(rank=rank, world_size=world, master_port=port))

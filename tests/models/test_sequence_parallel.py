@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from models.glm5.config import Glm5Config
 from models.glm5.tiny import TINY_CONFIG, build_random
-from models.training import free_port
+from models.deepspeed_worker import free_port
 
 T = 64  # positions per row; index_topk 16: every layer past the first 16 keys is sparse
 
@@ -64,7 +64,7 @@ def _run(policy, critic, packed: bool, sequence=None):
 
 def _rank(rank: int, world: int, packed: bool, port: int, out: str) -> None:
     from models.glm5.sequence_parallel import SequenceShard
-    from models.training import DistEnv, init_distributed
+    from models.deepspeed_worker import DistEnv, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(DistEnv(rank=rank, world_size=world, master_port=port))

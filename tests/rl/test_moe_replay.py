@@ -14,7 +14,7 @@ from models.batching import make_micro_batches
 from rl.actor import ActorWorker
 from rl.batch import replay_metrics, to_samples
 from rl.config import AlgorithmConfig
-from models.training import OptimConfig
+from models.deepspeed_worker import OptimConfig
 from rollout.ledger import TokenLedger
 from rollout.local_engine import LocalEngine
 from rollout.types import SamplingParams, Trajectory

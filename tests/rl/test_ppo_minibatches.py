@@ -8,7 +8,7 @@ import torch
 
 from critic.worker import CriticWorker
 from models.batching import ppo_mini_batches, split_per_sample
-from models.training import OptimConfig
+from models.deepspeed_worker import OptimConfig
 from rl.actor import ActorWorker, needs_logprob_pass
 from rl.config import AlgorithmConfig
 from tests.rl.test_workers import batch

@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 
-from models.training import OptimConfig
+from models.deepspeed_worker import OptimConfig
 from rl.actor import ActorWorker
 from rl.config import AlgorithmConfig
 from rl.group import TrainerGroup, TrainerRankDied

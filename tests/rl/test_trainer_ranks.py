@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from models.batching import shard_by_tokens
-from models.training import DistEnv, OptimConfig, free_port
+from models.deepspeed_worker import DistEnv, OptimConfig, free_port
 
 
 def global_batch(n: int = 7, equal: bool = False, replay: bool = False, late: bool = False) -> list[dict]:

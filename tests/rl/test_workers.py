@@ -5,7 +5,7 @@ import torch
 
 from critic.worker import CriticWorker
 from models.batching import TokenBatch, split_per_sample
-from models.training import OptimConfig
+from models.deepspeed_worker import OptimConfig
 from rl.actor import ActorWorker
 from rl.config import AlgorithmConfig
 

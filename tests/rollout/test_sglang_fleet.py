@@ -146,7 +146,7 @@ def test_weight_sync_reaches_every_server_and_stamps_the_version(fleet, tiny_pat
     from safetensors.torch import load_file
 
     from models.glm5.checkpoint import save_hf  # noqa: F401  (import check only: disk mode writes HF folders)
-    from models.training import free_port
+    from models.deepspeed_worker import free_port
     from rollout.sglang import weights as sync
 
     original = load_file(f"{tiny_path}/model.safetensors")

