@@ -27,7 +27,7 @@ from opd.teacher import TeacherWorker, check_same_tokenizer
 from rl.actor import needs_logprob_pass, needs_old_logprobs
 from rl.batch import add_advantages, to_samples, trainable
 from rl.checkpoint import Checkpointer
-from rl.cluster import Workers, guard_metrics, rollout_worker_kwargs, run_episodes, spawn, start_ray
+from rl.cluster import Workers, guard_metrics, rollout_worker_kwargs, run_episodes, start_ray, start_workers
 from rl.config import validate
 from rl.data import TaskSampler
 from rl.run_log import MetricsLogger, plot_curves
@@ -56,10 +56,10 @@ def spawn_teachers(cfg: DistillConfig, log_dir: str | None = None) -> dict[str, 
     return handles
 
 
-def rollout_and_score(w: Workers, teachers: dict, owner: dict, tasks, seed: int, desc: str):
+def rollout_and_score(workers: Workers, teachers: dict, owner: dict, tasks, seed: int, desc: str):
     """Episodes on the rollout workers; each finished one is scored by its domain's teacher right away, so
     scoring overlaps the episodes still running. Returns (trajectories, samples with teacher_logprobs, timing)."""
-    refs = [w.rollout[i % len(w.rollout)].run_episode.remote(task, "train", seed * 1_000_003 + i)
+    refs = [workers.rollout[i % len(workers.rollout)].run_episode.remote(task, "train", seed * 1_000_003 + i)
             for i, task in enumerate(tasks)]
     index = {ref: i for i, ref in enumerate(refs)}
     trajs: list = [None] * len(refs)
@@ -90,15 +90,15 @@ def per_domain(trajs, prefix: str) -> dict:
     return out
 
 
-def distill_step(cfg: DistillConfig, w: Workers, teachers: dict, owner: dict, sampler: TaskSampler, step: int,
+def distill_step(cfg: DistillConfig, workers: Workers, teachers: dict, owner: dict, sampler: TaskSampler, step: int,
                  audit) -> dict:
     timer = Timer()
-    trajs, scored, waited = rollout_and_score(w, teachers, owner, sampler.next(cfg.trainer.episodes_per_step),
+    trajs, scored, waited = rollout_and_score(workers, teachers, owner, sampler.next(cfg.trainer.episodes_per_step),
                                               cfg.seed + step, f"step {step + 1}")
     stats = ray.get([t.stats.remote() for t in teachers.values()])
     busy = sum(s["busy_s"] for s in stats)
     scored_tokens = sum(s["tokens"] for s in stats)
-    metrics = {**trajectory_metrics(trajs, "rollout"), **per_domain(trajs, "rollout"), **guard_metrics(w),
+    metrics = {**trajectory_metrics(trajs, "rollout"), **per_domain(trajs, "rollout"), **guard_metrics(workers),
                "perf/rollout_s": timer.lap(), "perf/teacher_scoring_s": busy, "perf/teacher_wait_s": waited,
                "perf/teacher_tokens_per_s": scored_tokens / busy if busy > 0 else 0.0,
                # the share of teacher scoring hidden behind the rollout (goal ≥ 0.8)
@@ -115,29 +115,30 @@ def distill_step(cfg: DistillConfig, w: Workers, teachers: dict, owner: dict, sa
             samples.append(s)
     a = cfg.algorithm
     if needs_logprob_pass(a):  # π_old (several optimiser steps, a KL in the reward) and π_ref, as in rl.train
-        for key, values in w.actor.compute_logprobs(samples, needs_old_logprobs(a)).result().items():
+        for key, values in workers.actor.compute_logprobs(samples, needs_old_logprobs(a)).result().items():
             for s, v in zip(samples, values):
                 s[key] = v
     critic_update = None
     if cfg.opd.mode == "ppo_opd":
-        for s, v in zip(samples, w.critic.compute_values(samples).result()):
+        for s, v in zip(samples, workers.critic.compute_values(samples).result()):
             s["values"] = v
         metrics.update(add_advantages(samples, kept, a))
-        critic_update = w.critic.train_step(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step)
+        critic_update = workers.critic.train_step(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step)
     metrics.update(opd_advantages(samples, cfg.opd.kl_coef, cfg.opd.kl_clip, add_to_existing=cfg.opd.mode == "ppo_opd"))
     metrics["perf/opd_s"] = timer.lap()
-    metrics.update(w.actor.train_step(samples, cfg.seed + step).result())
-    metrics.update(w.sync.push(step + 1))
+    metrics.update(workers.actor.train_step(samples, cfg.seed + step).result())
+    metrics.update(workers.sync.push(step + 1))
     if critic_update is not None:
         metrics.update(critic_update.result())
     metrics["perf/train_s"] = timer.lap()
     return metrics
 
 
-def evaluate_student(cfg: DistillConfig, w: Workers, tasks, step: int) -> dict:
+def evaluate_student(cfg: DistillConfig, workers: Workers, tasks, step: int) -> dict:
     started = time.perf_counter()
-    trajs = run_episodes(w, tasks, "eval", 10_000 + step, "eval")
-    return {**trajectory_metrics(trajs, "eval"), **per_domain(trajs, "eval"), "perf/eval_s": time.perf_counter() - started}
+    trajs = run_episodes(workers, tasks, "eval", 10_000 + step, "eval")
+    return {**trajectory_metrics(trajs, "eval"), **per_domain(trajs, "eval"),
+            "perf/eval_s": time.perf_counter() - started}
 
 
 def evaluate_teachers(cfg: DistillConfig, tasks) -> dict:
@@ -178,17 +179,17 @@ def distill(cfg: DistillConfig) -> dict:
     started = time.perf_counter()
     start_ray(cfg)
     critic = str(resolve_model_path(cfg.model.critic or cfg.model.name)) if cfg.opd.mode == "ppo_opd" else None
-    w = spawn(cfg, student, critic, str(run_dir))
+    workers = start_workers(cfg, student, critic, str(run_dir))
     teachers = spawn_teachers(cfg, str(run_dir / "sglang"))
     start = 0
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)
-        w.actor.load(str(resume_from / "actor"))
-        if w.critic is not None:
-            w.critic.load(str(resume_from / "critic"))
+        workers.actor.load(str(resume_from / "actor"))
+        if workers.critic is not None:
+            workers.critic.load(str(resume_from / "critic"))
         sampler.load_state_dict(state["sampler"])
         start = state["step"]
-        w.sync.push(start)
+        workers.sync.push(start)
         log.info("resumed from %s at step %d", resume_from, start)
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
                            OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
@@ -196,7 +197,7 @@ def distill(cfg: DistillConfig) -> dict:
     clock = TimeLimit(cfg.trainer, started)
     with open(run_dir / "guard_audit.jsonl", "a") as audit:
         if start == 0 and eval_tasks:
-            first = evaluate_student(cfg, w, eval_tasks, 0)
+            first = evaluate_student(cfg, workers, eval_tasks, 0)
             clock.saw_evaluation(first["perf/eval_s"])
             if cfg.opd.eval_teachers:
                 first.update(evaluate_teachers(cfg, eval_tasks))
@@ -206,15 +207,15 @@ def distill(cfg: DistillConfig) -> dict:
         for step in range(start, cfg.trainer.steps):
             timer = Timer()
             last = clock.is_last(step)
-            metrics = distill_step(cfg, w, teachers, owner, sampler, step, audit)
+            metrics = distill_step(cfg, workers, teachers, owner, sampler, step, audit)
             if eval_tasks and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
-                metrics.update(evaluate_student(cfg, w, eval_tasks, step + 1))
+                metrics.update(evaluate_student(cfg, workers, eval_tasks, step + 1))
                 clock.saw_evaluation(metrics["perf/eval_s"])
             out_of_time = clock.stops_after(step, timer.total(), last)
             if last or out_of_time or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 timer.lap()
-                checkpoints.save(step + 1, w.actor.save,
-                                 w.critic.save if w.critic is not None else None,
+                checkpoints.save(step + 1, workers.actor.save,
+                                 workers.critic.save if workers.critic is not None else None,
                                  {"step": step + 1, "sampler": sampler.state_dict(), "seed": cfg.seed})
                 metrics["perf/checkpoint_s"] = timer.lap()
             metrics["perf/step_s"] = timer.total()
@@ -224,7 +225,7 @@ def distill(cfg: DistillConfig) -> dict:
                      domain_line(metrics, cfg), metrics["perf/step_s"])
             if clock.ended_early(step, last, out_of_time, final):
                 break
-    w.actor.save_hf(str(run_dir / "student"), student)
+    workers.actor.save_hf(str(run_dir / "student"), student)
     logger.close()
     if cfg.logging.plot:
         domains = sorted(owner)
@@ -235,7 +236,7 @@ def distill(cfg: DistillConfig) -> dict:
             ("perf/step_s", "perf/rollout_s", "perf/train_s")])
     (run_dir / "summary.json").write_text(json.dumps(final, indent=1, default=str))
     ray.get([t.shutdown.remote() for t in teachers.values()])
-    w.stop()
+    workers.stop()
     ray.shutdown()
     return final
 

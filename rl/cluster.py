@@ -73,7 +73,7 @@ def sglang_config(engine: EngineConfig) -> SGLangConfig:
     return sglang
 
 
-def spawn(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Workers:
+def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Workers:
     t = cfg.trainer
     fleet = None
     if cfg.engine.type == "sglang":  # first: the servers take minutes to load, and their GPUs come first

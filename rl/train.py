@@ -23,7 +23,7 @@ from models import resolve_model_path
 from rl.actor import needs_logprob_pass, needs_old_logprobs
 from rl.batch import add_advantages, boundary_value_drop, replay_metrics, to_samples, trainable
 from rl.checkpoint import Checkpointer
-from rl.cluster import Workers, engine_metrics, guard_metrics, run_episodes, spawn, start_ray
+from rl.cluster import Workers, engine_metrics, guard_metrics, run_episodes, start_ray, start_workers
 from rl.config import Config, overlaps_models, register_configs, validate
 from rl.data import TaskSampler
 from rl.group import TrainerRankDied
@@ -33,13 +33,13 @@ from rl.rollout_manager import RolloutManager
 from rl.trajectory_metrics import trajectory_metrics
 
 log = logging.getLogger("rl.train")
-EVAL_SLOTS = 4  # a background evaluation's episodes at a time per rollout worker (cluster.spawn leaves 8 spare)
+EVAL_SLOTS = 4  # a background evaluation's episodes at a time per rollout worker (cluster.start_workers leaves 8 spare)
 
 
-def train_step(cfg: Config, w: Workers, rollouts: RolloutManager, step: int, audit) -> dict:
+def train_step(cfg: Config, workers: Workers, rollouts: RolloutManager, step: int, audit) -> dict:
     timer = Timer()
     trajs, metrics = rollouts.next_batch()
-    metrics.update({**trajectory_metrics(trajs, "rollout"), **guard_metrics(w), **engine_metrics(w),
+    metrics.update({**trajectory_metrics(trajs, "rollout"), **guard_metrics(workers), **engine_metrics(workers),
                     "perf/rollout_s": timer.lap()})
     metrics["async/engine_idle_frac"] = 1.0 - metrics.pop("engine/busy_frac", 1.0)
     write_audit(audit, step + 1, trajs)
@@ -51,14 +51,14 @@ def train_step(cfg: Config, w: Workers, rollouts: RolloutManager, step: int, aud
     samples = to_samples(kept)
     metrics.update(replay_metrics(samples))
     for s in samples:  # how many versions each token lags the policy it trains (the actor's mismatch metrics by lag)
-        s["staleness"] = (w.weight_version - s.pop("weight_versions")).clamp(min=0).float() * s["loss_mask"]
+        s["staleness"] = (workers.weight_version - s.pop("weight_versions")).clamp(min=0).float() * s["loss_mask"]
     if cfg.trainer.max_staleness == 0:  # the rollout is the wait; asynchronously it overlaps the previous step
         metrics["perf/rollout_tokens_per_s"] = sum(t.num_action_tokens for t in trajs) / metrics["perf/rollout_s"]
     a = cfg.algorithm
     # The actor's and the critic's groups work at the same time (trainer.overlap_models), or one after the other
     start = (lambda pending: pending) if overlaps_models(cfg.trainer) else (lambda pending: pending.wait())
-    logprobs = start(w.actor.compute_logprobs(samples, needs_old_logprobs(a))) if needs_logprob_pass(a) else None
-    values = start(w.critic.compute_values(samples))
+    logprobs = start(workers.actor.compute_logprobs(samples, needs_old_logprobs(a))) if needs_logprob_pass(a) else None
+    values = start(workers.critic.compute_values(samples))
     if logprobs is not None:
         for key, per_sample in logprobs.result().items():
             for s, v in zip(samples, per_sample):
@@ -72,31 +72,31 @@ def train_step(cfg: Config, w: Workers, rollouts: RolloutManager, step: int, aud
     if drop is not None:
         metrics["critic/boundary_value_drop"] = drop
     metrics["perf/gae_s"] = timer.lap()
-    critic_update = start(w.critic.train_step(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step))
+    critic_update = start(workers.critic.train_step(samples, a.mini_batches, a.ppo_epochs, cfg.seed + step))
     if step >= a.critic_warmup_steps:
-        metrics.update(w.actor.train_step(samples, cfg.seed + step).result())
-        metrics.update(w.sync.push(step + 1))
-        rollouts.set_version(w.weight_version)  # episodes starting from now on are on the new weights
+        metrics.update(workers.actor.train_step(samples, cfg.seed + step).result())
+        metrics.update(workers.sync.push(step + 1))
+        rollouts.set_version(workers.weight_version)  # episodes starting from now on are on the new weights
     metrics.update(critic_update.result())
     metrics["perf/train_s"] = timer.lap()
     metrics["perf/train_tokens"] = sum(len(s["token_ids"]) for s in samples)
     return metrics
 
 
-def evaluate(w: Workers, tasks, step: int, samples: int = 1, prefix: str = "eval", per_worker: int = 0) -> dict:
+def evaluate(workers: Workers, tasks, step: int, samples: int = 1, prefix: str = "eval", per_worker: int = 0) -> dict:
     """`samples` episodes per task at the evaluation temperature: pass@1 is their mean (one greedy episode per
     task when samples = 1). `per_worker`: at most that many at a time on a worker (0: all at once)."""
     started = time.perf_counter()
-    trajs = run_episodes(w, [t for t in tasks for _ in range(samples)], "eval", 10_000 + step, prefix, per_worker)
+    trajs = run_episodes(workers, [t for t in tasks for _ in range(samples)], "eval", 10_000 + step, prefix, per_worker)
     return {**trajectory_metrics(trajs, prefix), f"perf/{prefix}_s": time.perf_counter() - started}
 
 
-def evaluate_all(cfg: Config, w: Workers, eval_tasks, extra_tasks, step: int, with_extra: bool,
+def evaluate_all(cfg: Config, workers: Workers, eval_tasks, extra_tasks, step: int, with_extra: bool,
                  per_worker: int = 0) -> dict:
     """The held-out split (trainer.eval_samples a task) and, at the first and last step, env.extra_eval_tasks."""
-    m = evaluate(w, eval_tasks, step, cfg.trainer.eval_samples, per_worker=per_worker) if eval_tasks else {}
+    m = evaluate(workers, eval_tasks, step, cfg.trainer.eval_samples, per_worker=per_worker) if eval_tasks else {}
     if with_extra and extra_tasks:
-        m.update(evaluate(w, extra_tasks, step, 1, "eval_extra"))
+        m.update(evaluate(workers, extra_tasks, step, 1, "eval_extra"))
     m["perf/eval_s"] = m.get("perf/eval_s", 0.0) + m.get("perf/eval_extra_s", 0.0)
     return m
 
@@ -120,20 +120,21 @@ def train(cfg: Config) -> dict:
 
     started = time.perf_counter()
     start_ray(cfg)
-    w = spawn(cfg, policy, critic, str(run_dir))
-    if w.fleet is not None:  # a dead server is restarted and gets the current weights again
-        w.fleet.start_monitor(lambda urls: w.sync.push(w.weight_version, urls=urls, fresh=True))
+    workers = start_workers(cfg, policy, critic, str(run_dir))
+    if workers.fleet is not None:  # a dead server is restarted and gets the current weights again
+        workers.fleet.start_monitor(lambda urls: workers.sync.push(workers.weight_version, urls=urls, fresh=True))
     start, state = 0, None
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)
-        w.actor.load(str(resume_from / "actor"))
-        w.critic.load(str(resume_from / "critic"))
+        workers.actor.load(str(resume_from / "actor"))
+        workers.critic.load(str(resume_from / "critic"))
         start = state["step"]
-        w.sync.push(state.get("weight_version", start))
+        workers.sync.push(state.get("weight_version", start))
         log.info("resumed from %s at step %d", resume_from, start)
-    rollouts = RolloutManager(w.rollout, sampler, t.episodes_per_step, t.max_staleness,
-                              cfg.engine.max_concurrent_episodes, cfg.seed, start_step=start, version=w.weight_version,
-                              on_restart=w.sync.refresh)
+    rollouts = RolloutManager(workers.rollout, sampler, t.episodes_per_step, t.max_staleness,
+                              cfg.engine.max_concurrent_episodes, cfg.seed, start_step=start,
+                              version=workers.weight_version,
+                              on_restart=workers.sync.refresh)
     if state is not None:
         rollouts.load_state_dict(state.get("rollout", state), train_tasks)
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
@@ -143,7 +144,7 @@ def train(cfg: Config) -> dict:
     background = BackgroundEval()
     with open(run_dir / "guard_audit.jsonl", "a") as audit:
         if t.eval_at_start and start == 0 and (eval_tasks or extra_tasks):
-            final = evaluate_all(cfg, w, eval_tasks, extra_tasks, 0, with_extra=True)
+            final = evaluate_all(cfg, workers, eval_tasks, extra_tasks, 0, with_extra=True)
             clock.saw_evaluation(final["perf/eval_s"])
             logger.log(0, final)
             log.info(step_line(0, final))
@@ -151,26 +152,26 @@ def train(cfg: Config) -> dict:
         for step in range(start, t.steps):
             timer = Timer()
             last = clock.is_last(step)
-            metrics = train_step(cfg, w, rollouts, step, audit)
+            metrics = train_step(cfg, workers, rollouts, step, audit)
             metrics.update(background.results())
             if (eval_tasks or extra_tasks) and (last or (t.eval_every and (step + 1) % t.eval_every == 0)):
                 if last or t.max_staleness == 0:  # the synchronous loop (and the final evaluation) wait for it
                     if last:  # nothing else runs during the final evaluation (a background one is awaited)
                         rollouts.stop()
                         metrics.update(background.results(wait=True))
-                    metrics.update(evaluate_all(cfg, w, eval_tasks, extra_tasks, step + 1, with_extra=last))
+                    metrics.update(evaluate_all(cfg, workers, eval_tasks, extra_tasks, step + 1, with_extra=last))
                     clock.saw_evaluation(metrics["perf/eval_s"])
                 else:  # beside training: logged with the step it finishes in, under the version it started on
-                    background.start(lambda s=step: evaluate_all(cfg, w, eval_tasks, extra_tasks, s + 1, False,
-                                                                 per_worker=EVAL_SLOTS), w.weight_version)
+                    background.start(lambda s=step: evaluate_all(cfg, workers, eval_tasks, extra_tasks, s + 1, False,
+                                                                 per_worker=EVAL_SLOTS), workers.weight_version)
             out_of_time = clock.stops_after(step, timer.total(), last)
             if last or out_of_time or (t.save_every and (step + 1) % t.save_every == 0):
                 timer.lap()
-                checkpoints.save(step + 1, w.actor.save, w.critic.save,
-                                 {"step": step + 1, "weight_version": w.weight_version, "seed": cfg.seed,
+                checkpoints.save(step + 1, workers.actor.save, workers.critic.save,
+                                 {"step": step + 1, "weight_version": workers.weight_version, "seed": cfg.seed,
                                   "rollout": rollouts.state_dict()})
                 metrics["perf/checkpoint_s"] = timer.lap()
-            rollouts.step_done(w.weight_version)
+            rollouts.step_done(workers.weight_version)
             metrics["perf/step_s"] = timer.total()
             logger.log(step + 1, metrics)
             final.update(metrics)
@@ -180,7 +181,7 @@ def train(cfg: Config) -> dict:
     rollouts.stop()
     final.update(background.results(wait=True))  # an evaluation still running when the loop ended
     logger.close()
-    w.stop()
+    workers.stop()
     if cfg.logging.plot:
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     (run_dir / "summary.json").write_text(json.dumps(final, indent=1, default=str))
