@@ -1,5 +1,5 @@
 """Sequence parallelism through the GPU kernels, and the one-rank path free of collectives (skipped without a CUDA
-GPU; tests/models/test_sequence_parallel.py and test_expert_parallel.py check the math on the CPU).
+GPU; tests/models/glm5/test_sequence_parallel.py and test_expert_parallel.py check the math on the CPU).
 
 Two ranks share the one GPU over gloo (NCCL refuses two ranks on one device; gloo gathers and sums CUDA tensors
 through the host): each runs its half of every row through the bf16 Triton kernels (the fused sparse MLA, the

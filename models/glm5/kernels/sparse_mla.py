@@ -22,7 +22,7 @@ adds of dK. Slots are cleaned once in torch (`valid_keys`: −1, causally later 
 kernels only test idx ≥ 0. A query with no valid slot gets o = 0 and lse₂ = +inf, hence p = 0 and no gradient.
 
 Tested against the naive loop under Triton's interpreter on the CPU and natively on the GPU
-(tests/models/test_glm5_sparse_mla.py).
+(tests/models/glm5/test_sparse_mla.py).
 """
 
 from __future__ import annotations

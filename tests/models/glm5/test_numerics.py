@@ -7,6 +7,8 @@ import torch
 from models.glm5 import Glm5Config
 from models.glm5.tiny import REFERENCE_CONFIG, build_random
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOL = 1e-4
 
 # §9A: dense layers 0-1, MoE 2-7, IndexShare F F F S S S F S (freq 4 / offset 3), S = 64 > top-k = 16
@@ -15,15 +17,6 @@ CONFIG_A = dict(REFERENCE_CONFIG, initializer_range=0.05)
 CONFIG_B = dict(REFERENCE_CONFIG, initializer_range=0.05, num_hidden_layers=4, first_k_dense_replace=1,
                 index_topk_pattern="FSFS", index_topk=8, n_group=2, topk_group=1, norm_topk_prob=False,
                 routed_scaling_factor=1.5, n_shared_experts=2, attention_bias=False)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is fastest, and steady on a shared, loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _pair(tmp_path_factory, name, cfg):

@@ -12,15 +12,9 @@ from models.glm5.indexer import Indexer
 from models.glm5.mtp import mtp_hidden_states
 from models.glm5.tiny import REFERENCE_CONFIG, build_random
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CFG = Glm5Config(**dict(REFERENCE_CONFIG, initializer_range=0.05))  # F F F S S S F S, dense 0-1, top-k 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +250,7 @@ def _moe_outputs_and_grads(impl: str, device: str, dtype: torch.dtype, replay=No
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_grouped_experts_equal_the_loop_over_experts(device):
     """The grouped-GEMM dispatch (the GPU default) against the per-expert loop (checked against transformers in
-    test_glm5_numerics): same logits, same gradient for every parameter — each expert's weights included, the
+    glm5/test_numerics.py): same logits, same gradient for every parameter — each expert's weights included, the
     idle ones' staying None in both — under the same routing."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     loop, loop_grads = _moe_outputs_and_grads("loop", device, dtype)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.glm5.sparse_mla import sparse_mla
-from tests.models.triton_interpreter import run_interpreted
+from tests.models.glm5.triton_interpreter import run_interpreted
 
 
 def naive(q, kv, sel, query_index, key_mask, scale, d_c):
@@ -126,7 +126,7 @@ def check_triton_against_naive(dtype: torch.dtype, device: str) -> None:
 
 
 def test_triton_kernels_match_a_naive_loop_in_the_interpreter():
-    run_interpreted("tests.models.test_glm5_sparse_mla", "check_triton_against_naive")
+    run_interpreted("tests.models.glm5.test_sparse_mla", "check_triton_against_naive")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -4,7 +4,7 @@ Triton's interpreter on the CPU and natively on a GPU (bf16)."""
 import pytest
 import torch
 
-from tests.models.triton_interpreter import run_interpreted
+from tests.models.glm5.triton_interpreter import run_interpreted
 
 
 def reference_scores(q, w, k, scale):
@@ -58,7 +58,7 @@ def check_index_scores(dtype: torch.dtype, device: str) -> None:
 
 
 def test_index_scores_kernel_in_the_interpreter():
-    run_interpreted("tests.models.test_glm5_indexer_kernel", "check_index_scores")
+    run_interpreted("tests.models.glm5.test_indexer_kernel", "check_index_scores")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,6 +14,8 @@ from models.glm5 import Glm5Config, Glm5ForCausalLM, Glm5ForValue, load_hf
 from models.glm5.checkpoint import INDEX_FILE
 from models.glm5.tiny import REFERENCE_CONFIG, build_random, randomise_for_testing
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CFG = Glm5Config(**dict(REFERENCE_CONFIG, initializer_range=0.05))
 N = CFG.num_hidden_layers
 ATTN = r"self_attn\.(q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj|o_proj)\.weight"
@@ -23,14 +25,6 @@ MOE = (r"mlp\.(gate\.weight|gate\.e_score_correction_bias|shared_experts\.(gate|
        r"experts\.\d+\.(gate|up|down)_proj\.weight)")
 LAYER = rf"(input_layernorm\.weight|post_attention_layernorm\.weight|{ATTN}|{INDEXER}|{DENSE}|{MOE})"
 MTP_EXTRA = r"(enorm\.weight|hnorm\.weight|eh_proj\.weight|shared_head\.norm\.weight)"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
