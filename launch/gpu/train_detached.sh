@@ -1,7 +1,7 @@
 #!/bin/bash
 # One coding_ppo run across several back-to-back device calls without restarting it (docs/RESULTS.md).
-#   EXP=coding_ppo_gpu2 bash launch/gpu/train_detached.sh start CALL_S [hydra overrides...]
-#   EXP=coding_ppo_gpu2 bash launch/gpu/train_detached.sh watch CALL_S
+#   EXP=coding_ppo_2gpu_disaggregated bash launch/gpu/train_detached.sh start CALL_S [hydra overrides...]
+#   EXP=coding_ppo_2gpu_disaggregated bash launch/gpu/train_detached.sh watch CALL_S
 # The device machine ends a call's processes when it returns, except those in a session of their own: `start`
 # launches rl.train with setsid, so the run (Ray, the trainer, the SGLang server) lives on while the machine stays
 # warm, and each later call only `watch`es it. This saves what a resumed run pays per call (SGLang's start,
