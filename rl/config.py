@@ -56,6 +56,22 @@ class AlgorithmConfig:
     mini_batches: int = 1
 
 
+    def problems(self, prefix: str = "algorithm") -> list[str]:
+        """What is wrong with these settings alone, each with its key (empty: nothing)."""
+        out = [f"{prefix}.{key}={value!r}: must be one of {list(allowed)}" for key, value, allowed in (
+            ("name", self.name, ("ppo",)), ("kl_estimator", self.kl_estimator, ("k1", "k2", "k3")))
+            if value not in allowed]
+        if self.dual_clip and self.dual_clip <= 1:
+            out.append(f"{prefix}.dual_clip={self.dual_clip}: must be > 1 (or 0 to turn it off)")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam_critic <= 1 and 0 <= self.lam_policy <= 1):
+            out.append(f"{prefix}.gamma, lam_critic and lam_policy must lie in [0, 1]")
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            out.append(f"{prefix}.ppo_epochs and {prefix}.mini_batches must be >= 1")
+        if self.tis_low > self.tis_high:
+            out.append(f"{prefix}.tis_low must be <= {prefix}.tis_high")
+        return out
+
+
 @dataclass
 class TrainerConfig:
     steps: int = 4
@@ -110,6 +126,43 @@ class TrainerConfig:
     ray_address: Optional[str] = None  # None: start a local Ray
 
 
+    def problems(self, prefix: str = "trainer") -> list[str]:
+        """What is wrong with these settings alone, each with its key (empty: nothing)."""
+        out = [f"{prefix}.{key}={value!r}: must be one of {list(allowed)}" for key, value, allowed in (
+            ("time_limit_action", self.time_limit_action, ("stop", "finish")),
+            ("overlap_models", self.overlap_models, ("auto", "on", "off")),
+            ("zero_stage", self.zero_stage, (0, 1, 2, 3))) if value not in allowed]
+        if self.offload_optimizer and self.zero_stage < 1:
+            out.append(f"{prefix}.offload_optimizer needs {prefix}.zero_stage >= 1 (ZeRO partitions what it offloads)")
+        if self.offload_params and self.zero_stage != 3:
+            out.append(f"{prefix}.offload_params needs {prefix}.zero_stage=3 (only ZeRO-3 partitions parameters)")
+        for key, ep, ranks_key, ranks in (("expert_parallel", self.expert_parallel, "actor_ranks", self.actor_ranks),
+                                          ("critic_expert_parallel", self.critic_expert_parallel, "critic_ranks",
+                                           self.critic_ranks)):
+            if ep < 1 or ranks % ep:
+                out.append(f"{prefix}.{key}={ep} must divide {prefix}.{ranks_key}={ranks}")
+            elif ep > 1 and self.zero_stage not in (1, 2):
+                out.append(f"{prefix}.{key}={ep} needs {prefix}.zero_stage 1 or 2 (DeepSpeed partitions expert "
+                           "weights within their groups under ZeRO-1/2 only)")
+        for ranks_key, ranks in (("actor_ranks", self.actor_ranks), ("critic_ranks", self.critic_ranks)):
+            if self.sequence_parallel < 1 or ranks % self.sequence_parallel:
+                out.append(f"{prefix}.sequence_parallel={self.sequence_parallel} must divide "
+                           f"{prefix}.{ranks_key}={ranks}")
+        if self.max_staleness < 0:
+            out.append(f"{prefix}.max_staleness={self.max_staleness}: must be >= 0 (0: synchronous)")
+        for key in ("steps", "episodes_per_step", "micro_batch_tokens", "eval_samples"):
+            if getattr(self, key) < 1:
+                out.append(f"{prefix}.{key} must be >= 1")
+        for role in ("actor", "critic"):
+            ranks, share = getattr(self, f"{role}_ranks"), getattr(self, f"{role}_gpus")
+            if ranks < 1:
+                out.append(f"{prefix}.{role}_ranks must be >= 1")
+            elif ranks > 1 and 0 < share < 1:
+                out.append(f"{prefix}.{role}_ranks={ranks} with {prefix}.{role}_gpus={share:g}: NCCL refuses two "
+                           "ranks of one world on one GPU; give each rank a whole GPU (or train on the CPU)")
+        return out
+
+
 @dataclass
 class LoggingConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
@@ -151,88 +204,24 @@ def overlaps_models(t: TrainerConfig) -> bool:
 
 
 def validate(cfg: Config) -> None:
-    """Checks the schema cannot express (allowed values, consistency). Raises one error listing every problem,
-    each with its key, before anything is started."""
-    problems = []
-
-    def one_of(key: str, value, allowed) -> None:
+    """Checks the schema cannot express, before anything is started: each component's own (its `problems()`), then
+    what spans components (staleness and the engine's pause mode, evaluation samples and temperature, the GPU
+    placement). Raises one error listing every problem, each with its key."""
+    problems = cfg.engine.problems() + cfg.env.problems() + cfg.guard.problems() + cfg.algorithm.problems()
+    problems += cfg.trainer.problems()
+    for key, value, allowed in (("model.chat_format", cfg.model.chat_format, ("chatml", "glm")),
+                                ("model.tool_format", cfg.model.tool_format, ("json", "glm")),
+                                ("logging.wandb_mode", cfg.logging.wandb_mode, ("offline", "online", "disabled"))):
         if value not in allowed:
             problems.append(f"{key}={value!r}: must be one of {list(allowed)}")
-
-    one_of("engine.type", cfg.engine.type, ["local", "sglang"])
-    one_of("trainer.time_limit_action", cfg.trainer.time_limit_action, ["stop", "finish"])
-    one_of("trainer.overlap_models", cfg.trainer.overlap_models, ["auto", "on", "off"])
     sg = cfg.engine.sglang
-    if cfg.engine.type == "sglang":
-        one_of("engine.sglang.weight_sync", sg.weight_sync, ["tensor", "distributed", "disk"])
-        one_of("engine.sglang.weight_sync_fallback", sg.weight_sync_fallback, ["", "tensor", "distributed", "disk"])
-        one_of("engine.sglang.pause_mode", sg.pause_mode, ["abort", "in_place", "retract"])
-        one_of("engine.sglang.router", sg.router, ["auto", "on", "off"])
-        if sg.num_servers < 1 and not sg.urls and not sg.router_url:
-            problems.append("engine.sglang.num_servers must be >= 1 (or give engine.sglang.urls)")
-        if sg.weight_sync == "tensor" and sg.urls:
-            problems.append("engine.sglang.weight_sync=tensor needs servers on the trainer's GPUs; attached "
-                            "servers (engine.sglang.urls) take distributed or disk")
-    problems += cfg.env.problems()
-    if cfg.engine.speculative_steps < 0 or (cfg.engine.speculative_steps and cfg.engine.type != "local"):
-        problems.append(f"engine.speculative_steps={cfg.engine.speculative_steps}: a count ≥ 0, for the LocalEngine "
-                        "(SGLang servers take their own --speculative-* arguments in engine.sglang.args)")
-    problems += cfg.guard.problems()
-    one_of("algorithm.name", cfg.algorithm.name, ["ppo"])
-    one_of("algorithm.kl_estimator", cfg.algorithm.kl_estimator, ["k1", "k2", "k3"])
-    one_of("model.chat_format", cfg.model.chat_format, ["chatml", "glm"])
-    one_of("model.tool_format", cfg.model.tool_format, ["json", "glm"])
-    one_of("logging.wandb_mode", cfg.logging.wandb_mode, ["offline", "online", "disabled"])
-    one_of("trainer.zero_stage", cfg.trainer.zero_stage, [0, 1, 2, 3])
-    if cfg.trainer.offload_optimizer and cfg.trainer.zero_stage < 1:
-        problems.append("trainer.offload_optimizer needs trainer.zero_stage >= 1 (ZeRO partitions what it offloads)")
-    if cfg.trainer.offload_params and cfg.trainer.zero_stage != 3:
-        problems.append("trainer.offload_params needs trainer.zero_stage=3 (only ZeRO-3 partitions parameters)")
-    t = cfg.trainer
-    for key, ep, ranks_key, ranks in (("expert_parallel", t.expert_parallel, "actor_ranks", t.actor_ranks),
-                                      ("critic_expert_parallel", t.critic_expert_parallel, "critic_ranks",
-                                       t.critic_ranks)):
-        if ep < 1 or ranks % ep:
-            problems.append(f"trainer.{key}={ep} must divide trainer.{ranks_key}={ranks}")
-        elif ep > 1 and t.zero_stage not in (1, 2):
-            problems.append(f"trainer.{key}={ep} needs trainer.zero_stage 1 or 2 (DeepSpeed partitions expert "
-                            "weights within their groups under ZeRO-1/2 only)")
-    for ranks_key, ranks in (("actor_ranks", t.actor_ranks), ("critic_ranks", t.critic_ranks)):
-        if t.sequence_parallel < 1 or ranks % t.sequence_parallel:
-            problems.append(f"trainer.sequence_parallel={t.sequence_parallel} must divide trainer.{ranks_key}={ranks}")
-    a = cfg.algorithm
-    if a.dual_clip and a.dual_clip <= 1:
-        problems.append(f"algorithm.dual_clip={a.dual_clip}: must be > 1 (or 0 to turn it off)")
-    if not (0 <= a.gamma <= 1 and 0 <= a.lam_critic <= 1 and 0 <= a.lam_policy <= 1):
-        problems.append("algorithm.gamma, lam_critic and lam_policy must lie in [0, 1]")
-    if a.ppo_epochs < 1 or a.mini_batches < 1:
-        problems.append("algorithm.ppo_epochs and algorithm.mini_batches must be >= 1")
-    if a.tis_low > a.tis_high:
-        problems.append("algorithm.tis_low must be <= algorithm.tis_high")
-    if cfg.trainer.max_staleness < 0:
-        problems.append(f"trainer.max_staleness={cfg.trainer.max_staleness}: must be >= 0 (0: synchronous)")
-    if cfg.trainer.max_staleness and cfg.engine.type == "sglang" and sg.pause_mode != "abort":
+    if cfg.trainer.max_staleness > 0 and cfg.engine.type == "sglang" and sg.pause_mode != "abort":
         problems.append(f"trainer.max_staleness > 0 with engine.sglang.pause_mode={sg.pause_mode}: SGLang reports "
                         "only a request's final weight version, so the tokens sampled before the update would be "
                         "credited to the new one; pause_mode=abort continues them exactly (a partial rollout)")
-    for key in ("steps", "episodes_per_step", "micro_batch_tokens"):
-        if getattr(cfg.trainer, key) < 1:
-            problems.append(f"trainer.{key} must be >= 1")
-    if cfg.trainer.eval_samples < 1:
-        problems.append("trainer.eval_samples must be >= 1")
-    elif cfg.trainer.eval_samples > 1 and cfg.engine.eval_temperature <= 0:
+    if cfg.trainer.eval_samples > 1 and cfg.engine.eval_temperature <= 0:
         problems.append(f"trainer.eval_samples={cfg.trainer.eval_samples} needs engine.eval_temperature > 0 "
                         "(greedy samples of one task are the same episode)")
-    for role in ("actor", "critic"):
-        ranks, share = getattr(cfg.trainer, f"{role}_ranks"), getattr(cfg.trainer, f"{role}_gpus")
-        if ranks < 1:
-            problems.append(f"trainer.{role}_ranks must be >= 1")
-        elif ranks > 1 and 0 < share < 1:
-            problems.append(f"trainer.{role}_ranks={ranks} with trainer.{role}_gpus={share:g}: NCCL refuses two "
-                            "ranks of one world on one GPU; give each rank a whole GPU (or train on the CPU)")
-    if cfg.engine.num_workers < 1:
-        problems.append("engine.num_workers must be >= 1")
-    one_of("engine.device", cfg.engine.device.split(":")[0], ["auto", "cpu", "cuda"])
     gpus = {"trainer.actor_gpus": cfg.trainer.actor_gpus, "trainer.critic_gpus": cfg.trainer.critic_gpus,
             "engine.gpus_per_worker": cfg.engine.gpus_per_worker}
     for key, value in gpus.items():

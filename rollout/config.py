@@ -40,6 +40,19 @@ class SGLangConfig:
     health_interval_s: float = 5.0
     max_restarts: int = 3  # per server over the run
 
+    def problems(self, prefix: str = "engine.sglang") -> list[str]:
+        out = [f"{prefix}.{key}={value!r}: must be one of {list(allowed)}" for key, value, allowed in (
+            ("weight_sync", self.weight_sync, ("tensor", "distributed", "disk")),
+            ("weight_sync_fallback", self.weight_sync_fallback, ("", "tensor", "distributed", "disk")),
+            ("pause_mode", self.pause_mode, ("abort", "in_place", "retract")),
+            ("router", self.router, ("auto", "on", "off"))) if value not in allowed]
+        if self.num_servers < 1 and not self.urls and not self.router_url:
+            out.append(f"{prefix}.num_servers must be >= 1 (or give {prefix}.urls)")
+        if self.weight_sync == "tensor" and self.urls:
+            out.append(f"{prefix}.weight_sync=tensor needs servers on the trainer's GPUs; attached servers "
+                       f"({prefix}.urls) take distributed or disk")
+        return out
+
 
 @dataclass
 class EngineConfig:
@@ -64,6 +77,20 @@ class EngineConfig:
     top_k: int = 0
     eval_temperature: float = 0.0  # held-out evaluation: greedy by default (pass@1)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+    def problems(self, prefix: str = "engine") -> list[str]:
+        """What is wrong with these settings alone, each with its key (empty: nothing)."""
+        out = [f"{prefix}.{key}={value!r}: must be one of {list(allowed)}" for key, value, allowed in (
+            ("type", self.type, ("local", "sglang")), ("device", self.device.split(":")[0], ("auto", "cpu", "cuda")))
+            if value not in allowed]
+        if self.speculative_steps < 0 or (self.speculative_steps and self.type != "local"):
+            out.append(f"{prefix}.speculative_steps={self.speculative_steps}: a count ≥ 0, for the LocalEngine "
+                       "(SGLang servers take their own --speculative-* arguments in engine.sglang.args)")
+        if self.num_workers < 1:
+            out.append(f"{prefix}.num_workers must be >= 1")
+        if self.type == "sglang":
+            out += self.sglang.problems(f"{prefix}.sglang")
+        return out
 
 
 @dataclass
