@@ -13,7 +13,7 @@ import re
 import shlex
 
 from antihack.shell_reader import read_shell
-from antihack.shell_types import _VAR, ShellCommand
+from antihack.shell_types import VAR_REF, ShellCommand
 
 __all__ = ["ShellCommand", "parse_shell"]
 
@@ -161,7 +161,7 @@ def _parse_bashlex(command: str) -> list[ShellCommand]:
     env: dict[str, str] = {}  # simple NAME=value assignments and loop variables, expanded in later words
 
     def expand(word: str) -> str:
-        return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), word)
+        return VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), word)
 
     def visit(node) -> None:
         kind = node.kind

@@ -1,7 +1,7 @@
 """The shell reader's lexer: bash words (quotes, escapes, `$'...'`, substitutions) and operators.
 
-`antihack.shell_reader` builds the command structure from what `_Lexer` yields; the matchers here find where a
-quote, a substitution or a bracket ends, and `_substitutions` finds the commands inside text that is not read
+`antihack.shell_reader` builds the command structure from what `Lexer` yields; the matchers here find where a
+quote, a substitution or a bracket ends, and `substitutions` finds the commands inside text that is not read
 as words.
 """
 
@@ -13,7 +13,7 @@ _PLAIN = re.compile(r"[^ \t\n'\"\\$`;&|<>()]+")  # unquoted characters with no m
 _DQ_PLAIN = re.compile(r"[^\"\\$`]*")  # characters with no meaning inside double quotes
 _IO_NUMBER = re.compile(r"\d+(?=[<>])")
 _REDIRECT = re.compile(r"<<<|<<-|<<|<>|<&|<|>>|>&|>\||>")
-_ASSIGNMENT_WORD = re.compile(r"[A-Za-z_]\w*\+?=")  # NAME= or NAME+=
+ASSIGNMENT_WORD = re.compile(r"[A-Za-z_]\w*\+?=")  # NAME= or NAME+=
 _METACHARS = frozenset(" \t\n;&|<>()")
 
 
@@ -22,7 +22,7 @@ class Unreadable(Exception):
     """Something this reader does not understand: the caller falls back to bashlex."""
 
 
-class _Word:
+class Word:
     __slots__ = ("quoted", "raw", "subs", "value")
 
     def __init__(self, value: str, raw: str, subs: list[str], quoted: bool):
@@ -134,8 +134,8 @@ def _ansi_c(body: str) -> str:
     return _ANSI_ESCAPE.sub(one, body) if "\\" in body else body
 
 
-class _Lexer:
-    """Tokens of a shell string: words (`_Word`), control operators and redirection operators."""
+class Lexer:
+    """Tokens of a shell string: words (`Word`), control operators and redirection operators."""
 
     def __init__(self, s: str, compat: bool):
         self.s = s
@@ -149,7 +149,7 @@ class _Lexer:
             j = _match_paren(s, i + 2)
             inner = s[i + 2:j]
             if inner.startswith("(") and inner.endswith(")"):  # $((arithmetic))
-                subs.extend(_substitutions(inner[1:-1]))
+                subs.extend(substitutions(inner[1:-1]))
             else:
                 subs.append(inner)
             value.append(s[i:j + 1])
@@ -158,7 +158,7 @@ class _Lexer:
             j = _match_brace(s, i + 2)
             inner = s[i + 2:j]
             if "$(" in inner or "`" in inner:
-                subs.extend(_substitutions(inner))
+                subs.extend(substitutions(inner))
             value.append(s[i:j + 1])
             return j + 1
         if nxt == "'" and not in_dq:
@@ -185,7 +185,7 @@ class _Lexer:
         value.append(s[i:j + 1])
         return j + 1
 
-    def word(self, i: int) -> tuple[_Word, int]:
+    def word(self, i: int) -> tuple[Word, int]:
         s, n = self.s, len(self.s)
         start = i
         value: list[str] = []
@@ -194,9 +194,9 @@ class _Lexer:
         while i < n:
             c = s[i]
             if c in _METACHARS:
-                if c == "(" and value and _ASSIGNMENT_WORD.fullmatch(s, start, i) and not quoted:  # NAME=(array)
+                if c == "(" and value and ASSIGNMENT_WORD.fullmatch(s, start, i) and not quoted:  # NAME=(array)
                     j = _match_paren(s, i + 1)
-                    subs.extend(_substitutions(s[i + 1:j]))
+                    subs.extend(substitutions(s[i + 1:j]))
                     value.append(s[i:j + 1])
                     i = j + 1
                     continue
@@ -237,7 +237,7 @@ class _Lexer:
                 m = _PLAIN.match(s, i)
                 value.append(m.group())
                 i = m.end()
-        return _Word("".join(value), s[start:i], subs, quoted), i
+        return Word("".join(value), s[start:i], subs, quoted), i
 
     def dq(self, i: int, value: list[str], subs: list[str]) -> int:
         s, n = self.s, len(self.s)
@@ -266,7 +266,7 @@ class _Lexer:
                 i = self.backtick(i, value, subs)
 
     def tokens(self) -> list:
-        """[("w", _Word) | ("op", text) | ("r", operator) | ("arith", text)]"""
+        """[("w", Word) | ("op", text) | ("r", operator) | ("arith", text)]"""
         s, n = self.s, len(self.s)
         out: list = []
         i = 0
@@ -337,7 +337,7 @@ class _Lexer:
                                                                      "until", "elif", "for")
 
 
-def _substitutions(text: str) -> list[str]:
+def substitutions(text: str) -> list[str]:
     """The `$(...)` and backtick bodies inside a piece of text that is not read as words (`${...}`, arrays,
     arithmetic), for a superset of bashlex's reading."""
     subs: list[str] = []
@@ -357,7 +357,7 @@ def _substitutions(text: str) -> list[str]:
             j = _match_paren(text, i + 2)
             inner = text[i + 2:j]
             if inner.startswith("(") and inner.endswith(")"):
-                subs.extend(_substitutions(inner[1:-1]))
+                subs.extend(substitutions(inner[1:-1]))
             else:
                 subs.append(inner)
             i = j + 1

@@ -35,8 +35,8 @@ operator that was not lifted, stray closers, unterminated compounds): the caller
 
 from __future__ import annotations
 
-from antihack.shell_lexer import _ASSIGNMENT_WORD, Unreadable, _Lexer, _substitutions, _Word
-from antihack.shell_types import _VAR, ShellCommand
+from antihack.shell_lexer import ASSIGNMENT_WORD, Lexer, Unreadable, Word, substitutions
+from antihack.shell_types import VAR_REF, ShellCommand
 
 _OPENERS = {"if", "while", "until", "for", "select", "case", "{"}
 _CLOSERS = {"fi": "if", "done": "loop", "esac": "case", "}": "{"}
@@ -57,14 +57,14 @@ class _Reader:
         if "$" not in word:
             return word
         env = self.env
-        return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), word)
+        return VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), word)
 
-    def subs(self, word: _Word) -> None:
+    def subs(self, word: Word) -> None:
         for text in word.subs:
             self.read(text)
 
     def read(self, text: str) -> None:
-        toks = _Lexer(text, self.compat).tokens()
+        toks = Lexer(text, self.compat).tokens()
         out = self.out
         cur: ShellCommand | None = None
         start = True  # command position: reserved words count
@@ -118,14 +118,14 @@ class _Reader:
             if kind == "arith":
                 if cur is not None:
                     raise Unreadable("arithmetic after words")
-                for sub in _substitutions(tok):
+                for sub in substitutions(tok):
                     self.read(sub)
                 start = True  # `for ((...))` goes on with `do`; `(( ... ))` alone is a complete command
                 continue
             if kind == "r":
                 if i >= n or toks[i][0] != "w":
                     raise Unreadable("redirection without a target")
-                target: _Word = toks[i][1]
+                target: Word = toks[i][1]
                 i += 1
                 if tok in ("<<", "<<-"):
                     raise Unreadable("here-document that was not lifted")
@@ -150,7 +150,7 @@ class _Reader:
                 start = False
                 continue
             # a word
-            word: _Word = tok
+            word: Word = tok
             top = stack[-1] if stack else None
             if top is not None and top[2] == "pattern":  # case patterns, up to `)`; or the end of the case
                 if word.value == "esac" and not word.quoted:
@@ -197,7 +197,7 @@ class _Reader:
             start = False
             if cur is None:
                 cur = ShellCommand([])
-            if not cur.argv and _ASSIGNMENT_WORD.match(word.raw):  # NAME=value before the command name
+            if not cur.argv and ASSIGNMENT_WORD.match(word.raw):  # NAME=value before the command name
                 name, _, value = word.value.partition("=")
                 self.env[name.rstrip("+")] = self.expand(value)
                 self.subs(word)

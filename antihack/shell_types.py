@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 _PYTHONS = ("python", "python3", "python2", "pypy", "pypy3")
-_VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
+VAR_REF = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
 
 
 @dataclass
