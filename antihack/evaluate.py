@@ -121,9 +121,12 @@ def judge_config(path: str) -> JudgeConfig:
     if unknown:
         raise SystemExit(f"{path}: unknown judge settings {unknown}; known: {sorted(JudgeConfig.__dataclass_fields__)}")
     try:
-        return JudgeConfig(**raw).check()
+        cfg = JudgeConfig(**raw).check()
     except ValueError as exc:
         raise SystemExit(f"{path}: {exc}") from None
+    if cfg.backend == "none":
+        raise SystemExit(f"{path}: a judge file names its backend: engine (a local model) or openai (a server)")
+    return cfg
 
 
 def openai_backend(cfg: JudgeConfig) -> JudgeBackend:

@@ -275,6 +275,16 @@ class ActorWorker(DeepSpeedWorker):
             buckets.finish()  # after a failure: the gathers the other ranks wait in
         return self._pushed(stats, started)
 
+    def close(self) -> None:
+        """The weight-update group with the SGLang servers first, aborted (local: the servers may be gone, and
+        NCCL's destroy can wait for its peers), then the trainer's own groups."""
+        group = getattr(self, "_update_group", None)
+        if group is not None:
+            group.broken = True
+            group.close()
+            self._update_group = None
+        super().close()
+
     @staticmethod
     def _take_part(buckets: WeightBuckets) -> dict:
         buckets.finish()  # each bucket's gather needs every rank (ZeRO-3; experts under expert parallelism)

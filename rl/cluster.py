@@ -40,12 +40,15 @@ class Workers:
     weight_version: int = 0  # what the engines serve
 
     def stop(self) -> None:
-        """At the run's end: the trainer ranks leave their process groups together, the engines stop."""
-        for group in (self.actor, self.critic):
-            if group is not None:
-                group.shutdown()
-        if self.fleet is not None:
-            self.fleet.stop()
+        """At the run's end: the engines stop (first: their health monitor must not push weights to trainer ranks
+        that are leaving), then the trainer ranks leave their process groups together."""
+        try:
+            if self.fleet is not None:
+                self.fleet.stop()
+        finally:
+            for group in (self.actor, self.critic):
+                if group is not None:
+                    group.shutdown()
 
 
 def start_ray(cfg: Config) -> None:

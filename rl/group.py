@@ -186,7 +186,7 @@ class TrainerGroup:
         the actors go."""
         if len(self.workers) > 1:
             try:
-                ray.get([w.close.remote() for w in self.workers], timeout=60)
+                ray.get([w.close.remote() for w in self.workers], timeout=30)
             except Exception as e:  # noqa: BLE001 - a rank already gone: the kill below ends the rest
                 log.warning("%s ranks did not leave their process group cleanly: %s", self.role, e)
         for w in self.workers:

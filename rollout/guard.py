@@ -36,18 +36,19 @@ class EngineJudgeBackend:
         return self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
 
 
-def judge_backend(cfg: JudgeConfig, default_model: str = DEFAULT_JUDGE_MODEL) -> JudgeBackend | None:
-    """The backend `cfg` names (None for `none`). An engine judge is a frozen model of its own, `cfg.model` or
-    `default_model`: never the policy being trained, so that it cannot co-adapt with it (docs/ALGORITHMS.md
-    §4.4)."""
+def judge_backend(cfg: JudgeConfig, default_model: str = "") -> JudgeBackend | None:
+    """The backend `cfg` names (None for `none`). Without `cfg.model`, an engine judge loads `default_model` (the
+    guard passes the initial policy; else SmolLM2), an OpenAI-compatible server is asked for `default_model` or
+    "default". An engine judge is a frozen model of its own, never the policy being trained, so that it cannot
+    co-adapt with it (docs/ALGORITHMS.md §4.4)."""
     cfg.check()
     if cfg.backend == "engine":
         from rollout.local_engine import LocalEngine
 
-        engine = LocalEngine.from_pretrained(cfg.model or default_model)
+        engine = LocalEngine.from_pretrained(cfg.model or default_model or DEFAULT_JUDGE_MODEL)
         return EngineJudgeBackend(engine, engine.tokenizer, make_chat_format(cfg.chat_format))
     if cfg.backend == "openai":
-        return OpenAIJudgeBackend(cfg.endpoint, cfg.model or "default", cfg.timeout_s)
+        return OpenAIJudgeBackend(cfg.endpoint, cfg.model or default_model or "default", cfg.timeout_s)
     return None
 
 
@@ -55,7 +56,7 @@ def build_guard(cfg: GuardConfig, initial_policy: str = "") -> Guard:
     """The guard of one rollout worker; an engine judge without a model is a frozen copy of the initial policy."""
     if problems := cfg.problems():
         raise ValueError("; ".join(problems))
-    backend = judge_backend(cfg.judge, initial_policy or DEFAULT_JUDGE_MODEL) if cfg.enabled else None
+    backend = judge_backend(cfg.judge, initial_policy) if cfg.enabled else None
     judge = LLMJudge(backend, cfg.judge) if backend is not None else None
     return Guard(list(cfg.rules) or None, judge=judge, enabled=cfg.enabled, dummy_mode=cfg.dummy_mode)
 

@@ -89,7 +89,10 @@ def bash_syntax_error(script: str) -> str:
     """`bash -n` on the script ('' when fine or when bash is not available)."""
     if not _BASH:
         return ""
-    proc = subprocess.run([_BASH, "-n"], input=script, capture_output=True, text=True, timeout=20)
+    try:
+        proc = subprocess.run([_BASH, "-n"], input=script, capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "bash -n did not finish in 20 s"
     return (proc.stderr.strip().splitlines() or ["bash -n failed"])[-1] if proc.returncode else ""
 
 

@@ -84,6 +84,10 @@ def test_evaluate_cli_judge_settings(tmp_path):
     typo.write_text("backend: openai\nendpoint: http://127.0.0.1:9/v1\nthreshhold: 0.5\n")
     with pytest.raises(SystemExit, match="threshhold"):
         main(["--corpus", DEFAULT_CORPUS, "--judge", str(typo)])
+    nameless = tmp_path / "nameless.yaml"
+    nameless.write_text("model: smollm2-135m-instruct\n")  # no backend: refused, not a judge that always fails
+    with pytest.raises(SystemExit, match="names its backend"):
+        main(["--corpus", DEFAULT_CORPUS, "--judge", str(nameless)])
 
 
 def test_corpus_validator_accepts_both_corpora_and_names_what_is_wrong(tmp_path):
