@@ -158,19 +158,20 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
 
 
-def load_hf(folder: str | Path, role: str = "policy", dtype: torch.dtype | str = torch.float32,
-            device: str | torch.device = "cpu", strict: bool = True, **config_overrides) -> nn.Module:
-    """Our policy (`Glm5ForCausalLM`) or critic (`Glm5ForValue`) from an HF-format GLM-5.x folder.
+def load_checkpoint(cls: type[nn.Module], folder: str | Path, dtype: torch.dtype | str = torch.float32,
+                    device: str | torch.device = "cpu", strict: bool = True, **config_overrides) -> nn.Module:
+    """A `cls` (our policy or critic class; its `role` says which) from an HF-format GLM-5.x folder.
 
     A critic built from a policy checkpoint drops lm_head and MTP and gets a zero value head; a policy from a
     checkpoint without the MTP layer (transformers drops it on save) gets a freshly initialised one (logged).
     Anything else missing or unexpected is an error unless strict=False. `config_overrides` set config fields,
-    e.g. latent_norm_eps=1e-5 for SGLang parity."""
+    e.g. latent_norm_eps=1e-5 for SGLang parity. The class is passed in so that this module never imports the
+    model module (which imports this one for `save_pretrained` / `from_pretrained`)."""
     from safetensors import safe_open
 
-    from models.glm5.model import Glm5ForCausalLM, Glm5ForValue
     from models.dtypes import to_dtype
 
+    role = cls.role
     dtype = to_dtype(dtype)
     folder = Path(folder)
     config = Glm5Config.from_hf(folder, **config_overrides)
@@ -178,7 +179,6 @@ def load_hf(folder: str | Path, role: str = "policy", dtype: torch.dtype | str =
     critic_ckpt = any(a.endswith("ForTokenClassification") for a in config.architectures)
     if role == "policy" and critic_ckpt:
         raise ValueError(f"{folder} is a critic checkpoint; load it with role='value'")
-    cls = Glm5ForValue if role == "value" else Glm5ForCausalLM
     with torch.device("meta"):
         model = cls(config, init=False)
     config.architectures = [CRITIC_ARCH if role == "value" else POLICY_ARCH]

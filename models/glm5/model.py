@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.glm5.attention import AttnContext, materialize_selection
+from models.glm5.checkpoint import load_checkpoint, save_hf
 from models.glm5.config import Glm5Config
 from models.glm5.decoder import DecoderLayer, Glm5Cache
 from models.glm5.indexer import Indexer
@@ -227,21 +228,18 @@ class _Glm5Base(nn.Module):
     def save_pretrained(self, folder: str | Path, state_dict: dict | None = None, safe_serialization: bool = True,
                         max_shard_size: int | str = "5GB", **_) -> None:
         """HF-format folder: config.json + (sharded) safetensors with GLM-5.2 tensor names."""
-        from models.glm5.checkpoint import save_hf
-
         save_hf(self, folder, state_dict=state_dict, max_shard_size=max_shard_size)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype | str = torch.float32,
-                        device: str | torch.device = "cpu", **config_overrides):
-        from models.glm5.checkpoint import load_hf
-
-        role = "value" if cls is Glm5ForValue else "policy"
-        return load_hf(folder, role=role, dtype=dtype, device=device, **config_overrides)
+                        device: str | torch.device = "cpu", strict: bool = True, **config_overrides):
+        return load_checkpoint(cls, folder, dtype=dtype, device=device, strict=strict, **config_overrides)
 
 
 class Glm5ForCausalLM(_Glm5Base):
     """The policy: backbone (+ MTP layer) and an untied LM head."""
+
+    role = "policy"
 
     def __init__(self, config: Glm5Config, init: bool = True):
         super().__init__()
@@ -310,6 +308,8 @@ class Glm5ForValue(_Glm5Base):
     """The critic: the same backbone (no MTP) and a scalar head `score` (HF TokenClassification naming). A fresh
     head is zero, so V ≡ 0 at the start, as `models.load_model` does for HF critics."""
 
+    role = "value"
+
     def __init__(self, config: Glm5Config, init: bool = True):
         super().__init__()
         self.config = config
@@ -331,3 +331,13 @@ class Glm5ForValue(_Glm5Base):
                          routed_experts=routed_experts, cache=cache)
         h = out.last_hidden_state
         return Glm5ValueOutput(logits=self.score(h), last_hidden_state=h, past_key_values=out.past_key_values)
+
+
+def load_hf(folder: str | Path, role: str = "policy", dtype: torch.dtype | str = torch.float32,
+            device: str | torch.device = "cpu", strict: bool = True, **config_overrides) -> _Glm5Base:
+    """Our policy (role "policy") or critic (role "value") from an HF-format GLM-5.x folder
+    (`checkpoint.load_checkpoint` says what is filled in and what is an error)."""
+    classes = {"policy": Glm5ForCausalLM, "value": Glm5ForValue}
+    if role not in classes:
+        raise ValueError(f"role must be one of {sorted(classes)}, got {role!r}")
+    return classes[role].from_pretrained(folder, dtype=dtype, device=device, strict=strict, **config_overrides)
