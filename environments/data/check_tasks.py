@@ -258,26 +258,10 @@ def validate_task(task, errors):
     for kind, path, content in all_py:
         if not path.endswith(".py"):
             continue
-        try:
-            tree = ast.parse(content, filename=path)
-        except SyntaxError as exc:
-            errors.append(f"{kind} {path}: syntax error: {exc}")
+        tree = _check_imports(kind, path, content, local_modules, errors,
+                              imported_names if kind in ("visible", "hidden") else None)
+        if tree is None:
             continue
-        for mod, names in _imports(tree):
-            if mod in local_modules or mod == "":
-                if kind in ("visible", "hidden"):
-                    imported_names.update(names)
-                continue
-            if mod == "pytest":
-                if kind not in ("visible", "hidden"):
-                    errors.append(f"{kind} {path}: only tests may import pytest")
-                continue
-            if mod in FORBIDDEN_MODULES:
-                errors.append(f"{kind} {path}: forbidden import {mod!r}")
-            elif STDLIB is not None and mod not in STDLIB:
-                errors.append(f"{kind} {path}: non-stdlib import {mod!r}")
-            if mod == "random" and "seed" not in content:
-                errors.append(f"{kind} {path}: uses random without a fixed seed")
         if "sleep(" in content:
             errors.append(f"{kind} {path}: must not sleep")
         if kind in test_counts:
@@ -351,14 +335,19 @@ def _test_ids_in(path, content):
     return ids
 
 
-def _check_imports(kind, path, content, local_modules, errors):
+def _check_imports(kind, path, content, local_modules, errors, imported_names=None):
+    """Parse one Python file and check its imports: only the standard library, the task's own modules and (in
+    tests) pytest; random only with a fixed seed. The names tests import from the task's modules go into
+    `imported_names` when given. Returns the tree, or None on a syntax error."""
     try:
         tree = ast.parse(content, filename=path)
     except SyntaxError as exc:
         errors.append(f"{kind} {path}: syntax error: {exc}")
         return None
-    for mod, _names in _imports(tree):
+    for mod, names in _imports(tree):
         if mod in local_modules or mod == "":
+            if imported_names is not None:
+                imported_names.update(names)
             continue
         if mod == "pytest":
             if kind not in ("visible", "hidden"):
@@ -370,8 +359,6 @@ def _check_imports(kind, path, content, local_modules, errors):
             errors.append(f"{kind} {path}: non-stdlib import {mod!r}")
         if mod == "random" and "seed" not in content:
             errors.append(f"{kind} {path}: uses random without a fixed seed")
-    if re.search(r"\b(time|asyncio)\.sleep\(", content):  # an injected `sleep` callable is fine
-        errors.append(f"{kind} {path}: must not sleep")
     return tree
 
 
@@ -430,7 +417,11 @@ def validate_repo_task(task, errors):
     for kind, entries in (("files", files), ("visible", visible), ("hidden", hidden)):
         for path, content in entries:
             tree = _check_imports(kind, path, content, {repo}, errors)
-            if tree is not None and kind != "files":
+            if tree is None:
+                continue
+            if re.search(r"\b(time|asyncio)\.sleep\(", content):  # an injected `sleep` callable is fine
+                errors.append(f"{kind} {path}: must not sleep")
+            if kind != "files":
                 n_tests[kind] += _count_tests(tree)
     for path, content in test_files.items():
         defined.update(_test_ids_in(path, content))

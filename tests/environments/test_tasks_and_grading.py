@@ -140,3 +140,39 @@ def test_humaneval_format_rows_become_graded_tasks(tmp_path):
         solved = grade(task, files_of(task, True))
         assert solved.reward == 1.0 and solved.passed == 1, solved.details
         assert grade(task, files_of(task, False)).reward == 0.0
+
+
+def test_task_validator_rejects_bad_imports_sleeps_and_unnamed_test_imports():
+    """The dataset validator's static checks, for both task kinds: a shipped task passes, each bad edit is named."""
+    import copy
+
+    from environments.data.check_tasks import validate_repo_task, validate_task
+
+    rows = {t["id"]: t for t in map(json.loads, open(shipped_tasks_path()))}
+
+    def problems(task):
+        errors = []
+        (validate_repo_task if task["domain"] == "repo" else validate_task)(task, errors)
+        return errors
+
+    for tid, module in (("digit_sum", "solution.py"), ("repo_money_split_rounding", "money/money.py")):
+        good = rows[tid]
+        assert problems(good) == [], tid
+        cases = {"forbidden import 'subprocess'": "import subprocess\n",
+                 "non-stdlib import 'numpy'": "import numpy\n",
+                 "uses random without a fixed seed": "import random\n",
+                 "must not sleep": "import time\ntime.sleep(1)\n",
+                 "syntax error": "def (:\n"}
+        for message, prefix in cases.items():
+            task = copy.deepcopy(good)
+            source = next(f for f in task["files"] if f["path"] == module)
+            source["content"] = prefix + source["content"]
+            assert any(message in e and module in e for e in problems(task)), (tid, message, problems(task))
+        task = copy.deepcopy(good)
+        task["files"][-1]["content"] = "import pytest\n" + task["files"][-1]["content"]
+        assert any("only tests may import pytest" in e for e in problems(task)), tid
+    # Tests of a function task may import only names the statement mentions.
+    task = copy.deepcopy(rows["digit_sum"])
+    task["visible_tests"][0]["content"] = "from solution import helper_nobody_named\n" + \
+        task["visible_tests"][0]["content"]
+    assert any("'helper_nobody_named', which the statement does not name" in e for e in problems(task))
