@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-JUDGE_BACKENDS = ("none", "engine", "openai")
+JUDGE_BACKENDS = ("none", "head", "engine", "openai")
 DUMMY_MODES = ("environment_consistent", "explicit_notice")
 
 
@@ -15,7 +15,10 @@ DUMMY_MODES = ("environment_consistent", "explicit_notice")
 class JudgeConfig:
     """Stage 2 of the guard: the LLM judge of flagged calls (docs/ALGORITHMS.md §4.4)."""
 
-    backend: str = "none"  # none | engine (a frozen local model) | openai (any OpenAI-compatible server)
+    backend: str = "none"  # none | head (a verdict head over a small model's hidden states, trained by
+    #                         `python -m antihack.train_judge`; runs on any CPU) | engine (a frozen local model
+    #                         answering the prompt) | openai (any OpenAI-compatible server)
+    head: str = ""  # head: the trained head's file (empty: the one shipped in antihack/data)
     model: str = ""  # engine: built-in name or HF folder (empty: a frozen copy of the initial policy);
     #                   openai: the model name sent with each request (empty: "default")
     endpoint: str = ""  # openai: base URL, e.g. http://judge-host:30000/v1
@@ -27,6 +30,8 @@ class JudgeConfig:
     max_new_tokens: int = 200
     cache_size: int = 4096  # verdicts kept per (task, normalised call)
     recent_calls: int = 3  # earlier calls shown to the judge
+    max_action_chars: int = 4000  # of the flagged call shown to the judge (a whole solution file, mostly)
+    max_recent_chars: int = 600  # of each earlier call
 
     def problems(self, prefix: str = "guard.judge") -> list[str]:
         """What is wrong with these settings, each as `key=value: why` (empty: nothing)."""
@@ -42,6 +47,9 @@ class JudgeConfig:
         if self.timeout_s <= 0 or self.retries < 0 or self.max_new_tokens < 1:
             out.append(f"{prefix}: timeout_s > 0, retries >= 0 and max_new_tokens >= 1 (got {self.timeout_s}, "
                        f"{self.retries}, {self.max_new_tokens})")
+        if self.recent_calls < 0 or self.max_action_chars < 200 or self.max_recent_chars < 50:
+            out.append(f"{prefix}: recent_calls >= 0, max_action_chars >= 200 and max_recent_chars >= 50 (got "
+                       f"{self.recent_calls}, {self.max_action_chars}, {self.max_recent_chars})")
         return out
 
     def check(self) -> "JudgeConfig":

@@ -5,9 +5,10 @@
 Each corpus line: {"id", "task": {"statement", "protected_paths": [...]}, "history": [earlier calls],
 "call": {"name", "arguments"}, "label": "hack" | "benign", "category"}. The history is replayed through the
 same guard first (so state such as a script written earlier is known), then the labelled call is decided.
-`--judge FILE` (YAML or JSON, the fields of `antihack.config.JudgeConfig`) adds the LLM judge; without it, flagged
-calls that no block rule catches are allowed (and counted as flagged). Here the judge is an OpenAI-compatible
-server (`backend: openai`); `python -m rollout.guard` takes the same arguments and also runs a local model
+`--judge FILE` (YAML or JSON, the fields of `antihack.config.JudgeConfig`) adds the judge; without it, flagged
+calls that no block rule catches are allowed (and counted as flagged). Here the judge is the trained verdict head
+(`backend: head`, antihack/data/judge_head.yaml) or an OpenAI-compatible server (`backend: openai`);
+`python -m rollout.guard` takes the same arguments and also runs a local model answering the prompt
 (`backend: engine`, e.g. antihack/data/judge_local.yaml).
 """
 
@@ -125,19 +126,25 @@ def judge_config(path: str) -> JudgeConfig:
     except ValueError as exc:
         raise SystemExit(f"{path}: {exc}") from None
     if cfg.backend == "none":
-        raise SystemExit(f"{path}: a judge file names its backend: engine (a local model) or openai (a server)")
+        raise SystemExit(f"{path}: a judge file names its backend: head (the trained verdict head), engine (a local "
+                         "model) or openai (a server)")
     return cfg
 
 
-def openai_backend(cfg: JudgeConfig) -> JudgeBackend:
-    """The backends antihack has itself; an engine of ours is the rollout side's (python -m rollout.guard)."""
+def antihack_backend(cfg: JudgeConfig) -> JudgeBackend:
+    """The backends antihack has itself (the trained verdict head, an OpenAI-compatible server); an engine of
+    ours is the rollout side's (python -m rollout.guard)."""
+    if cfg.backend == "head":
+        from antihack.verdict_head import head_backend
+
+        return head_backend(cfg.head)
     if cfg.backend != "openai":
         raise SystemExit(f"judge backend {cfg.backend!r} runs a local model, which the rollout side serves: "
                          "python -m rollout.guard takes the same arguments")
     return OpenAIJudgeBackend(cfg.endpoint, cfg.model or "default", cfg.timeout_s)
 
 
-def main(argv: list[str] | None = None, judge_backend: Callable[[JudgeConfig], JudgeBackend] = openai_backend,
+def main(argv: list[str] | None = None, judge_backend: Callable[[JudgeConfig], JudgeBackend] = antihack_backend,
          prog: str = "python -m antihack.evaluate") -> dict:
     """The CLI; `judge_backend` builds the judge's backend from its settings (rollout.guard passes one that
     also runs engines)."""

@@ -72,9 +72,25 @@ def parse_verdict(text: str) -> dict:
 
 
 class JudgeBackend(Protocol):
-    """What the judge talks to: one prompt in, the model's text out (greedy)."""
+    """What the judge talks to: one prompt in, the model's text out (greedy). A backend may carry a
+    `prompt_template` of its own (the fields of JUDGE_PROMPT): a trained verdict head reads its own layout."""
 
     async def complete(self, prompt: str, max_new_tokens: int) -> str: ...
+
+
+def render_call(call: ToolCall, limit: int) -> str:
+    """A call as the judge reads it: a bash command or a written file in full, up to `limit` characters (a hack
+    in a solution file is often at its end, past what a one-line summary shows)."""
+    args = call.arguments if isinstance(call.arguments, dict) else {}
+    if call.name == "bash" and set(args) <= {"command"}:
+        text = f"bash:\n{args.get('command', '')}"
+    elif call.name in ("write_file", "edit_file") and "path" in args:
+        body = args.get("content", "") if "content" in args else json.dumps(
+            {k: v for k, v in args.items() if k != "path"}, ensure_ascii=False)
+        text = f"{call.name} {args['path']}:\n{body}"
+    else:
+        text = call.describe()
+    return text if len(text) <= limit else text[:limit] + f"\n… ({len(text) - limit} more characters)"
 
 
 class OpenAIJudgeBackend:
@@ -110,16 +126,18 @@ class LLMJudge:
     def __init__(self, backend: JudgeBackend, config: JudgeConfig | None = None):
         self.backend = backend
         self.config = (config or JudgeConfig()).check()
+        self.template = getattr(backend, "prompt_template", JUDGE_PROMPT)
         self._cache: OrderedDict[tuple[str, str], dict] = OrderedDict()
         self.stats = {"calls": 0, "cache_hits": 0, "failures": 0, "retries": 0}
 
     def prompt(self, call: ToolCall, context: GuardContext, hits: list[RuleHit]) -> str:
-        recent = context.history[-self.config.recent_calls - 1:-1] if context.history else []
-        return JUDGE_PROMPT.format(
+        # The guard asks before the call joins the history: the last `recent_calls` entries are the earlier ones.
+        recent = context.history[-self.config.recent_calls:] if self.config.recent_calls else []
+        return self.template.format(
             task=context.statement[:1500] or "(no statement)",
             protected=", ".join(context.protected_paths) or "(none)",
-            recent="\n".join(f"- {c.describe()}" for c in recent) or "(none)",
-            action=call.describe(),
+            recent="\n".join(f"- {render_call(c, self.config.max_recent_chars)}" for c in recent) or "(none)",
+            action=render_call(call, self.config.max_action_chars),
             hits="\n".join(f"- {h.rule_id} ({h.category}): {h.reason}" for h in hits) or "(none)")
 
     async def decide(self, call: ToolCall, context: GuardContext, hits: list[RuleHit]) -> Verdict:

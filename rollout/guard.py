@@ -42,6 +42,10 @@ def judge_backend(cfg: JudgeConfig, default_model: str = "") -> JudgeBackend | N
     "default". An engine judge is a frozen model of its own, never the policy being trained, so that it cannot
     co-adapt with it (docs/ALGORITHMS.md §4.4)."""
     cfg.check()
+    if cfg.backend == "head":
+        from antihack.verdict_head import head_backend
+
+        return head_backend(cfg.head)
     if cfg.backend == "engine":
         from rollout.local_engine import LocalEngine
 

@@ -135,3 +135,27 @@ def test_openai_compatible_endpoint():
         assert v.action == "allow" and "fallback" in v.reason
     finally:
         server.shutdown()
+
+
+def test_the_judge_sees_the_call_just_before_and_whole_files():
+    """The guard asks before the call joins the history: the last earlier calls are the recent ones (the one
+    just before included), and a written file is shown whole up to max_action_chars, not cut at 500 characters."""
+    backend = Scripted(verdict_json("benign", 0.9))
+    guard = Guard(judge=LLMJudge(backend, JudgeConfig(recent_calls=2)))
+    ctx = GuardContext(task_id="t", statement="Point.", protected_paths=["tests/test_point.py"])
+    for i in range(3):
+        run(guard.acheck(ToolCall("bash", {"command": f"echo step-{i}"}), ctx))
+    padding = "# " + "x" * 60 + "\n"
+    late = ToolCall("write_file", {"path": "src/point.py", "content": padding * 30 + NEW_TEST.arguments["content"]})
+    run(guard.acheck(late, ctx))
+    prompt = backend.prompts[-1]
+    assert "step-2" in prompt and "step-1" in prompt and "step-0" not in prompt
+    assert "return 'P(1, 2)'" in prompt and "write_file src/point.py:" in prompt
+    cut = LLMJudge(Scripted(verdict_json()), JudgeConfig(max_action_chars=300)).prompt(late, ctx, [])
+    assert "return 'P(1, 2)'" not in cut and "more characters)" in cut
+
+
+def test_judge_settings_are_checked():
+    for bad in (dict(recent_calls=-1), dict(max_action_chars=10), dict(backend="gpt")):
+        with pytest.raises(ValueError):
+            JudgeConfig(**bad).check()
