@@ -43,6 +43,7 @@ class CallFacts:
     commands: list[ShellCommand] = field(default_factory=list)
     writes: list[tuple[str, str | None]] = field(default_factory=list)  # (path, content if known)
     modified: list[str] = field(default_factory=list)  # paths written, moved, deleted or edited
+    links: list[tuple[str, str]] = field(default_factory=list)  # symlinks made: (link, target)
     read: list[str] = field(default_factory=list)  # paths (or patterns) read or listed
     python: list[tuple[str, str]] = field(default_factory=list)  # (origin, source) written or run
     findings: list[tuple[str, Finding]] = field(default_factory=list)  # (origin, finding)
@@ -145,7 +146,7 @@ def _shell_facts(facts: CallFacts, commands: list[ShellCommand], context: GuardC
             facts.modified += re.findall(r"^\+\+\+ (?:b/)?(\S+)", diff, re.MULTILINE)
             facts.text += "\n" + diff
         elif name == "ln" and len(args) >= 2:  # a link is an alias: later paths through it mean its target
-            context.aliases[normalize(args[-1])] = normalize(args[-2])
+            facts.links.append((normalize(args[-1]), normalize(args[-2])))
             facts.modified.append(args[-1])
             facts.read.append(args[-2])
         elif name == "find" and any(a in ("-delete", "-exec", "-execdir") for a in cmd.argv):
@@ -226,6 +227,8 @@ def call_facts(call: ToolCall, context: GuardContext) -> CallFacts:
             facts.text += "\n" + source
     facts.modified = [_through_aliases(normalize(p), context) for p in facts.modified if p]
     facts.read = [_through_aliases(normalize(p), context) for p in facts.read if p]
+    for link, target in facts.links:  # only after this call's paths: making the link modifies the link's path
+        context.aliases[link] = target
     return facts
 
 

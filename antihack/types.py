@@ -33,13 +33,16 @@ def _compiled(patterns: tuple[str, ...]) -> re.Pattern:
 
 
 @functools.lru_cache(maxsize=1024)
-def _matcher(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[re.Pattern, ...]]:
+def _matcher(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...], tuple[re.Pattern, ...]]:
     """What `_compiled(patterns)` matches, split for speed: the exact paths that patterns without glob
-    characters name (a path or its folder form), and one regex per glob, cached per glob (each task has its own
-    set of protected paths, but the globs in them recur: a new task compiles nothing, or little)."""
+    characters name (a path or its folder form), the folders they may be (`tests/`, `.grader`: everything under
+    one is protected too), and one regex per glob, cached per glob (each task has its own set of protected
+    paths, but the globs in them recur: a new task compiles nothing, or little)."""
     exact: set[str] = set()
+    folders: set[str] = set()
     globs = []
     for pat in patterns:
+        pat = pat[2:] if pat.startswith("./") else pat
         if _GLOB & set(pat):
             globs.append(_compiled((pat,)))
         else:
@@ -47,7 +50,8 @@ def _matcher(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[re.Patter
             stem = pat.rstrip("/")
             if stem:
                 exact.add(stem)
-    return frozenset(exact), tuple(globs)
+                folders.add(stem + "/")
+    return frozenset(exact), tuple(sorted(folders)), tuple(globs)
 
 
 def path_matches(path: str, patterns, glob_path: bool = False) -> bool:
@@ -57,8 +61,8 @@ def path_matches(path: str, patterns, glob_path: bool = False) -> bool:
     if not patterns:
         return False
     p = path[2:] if path.startswith("./") else path
-    exact, globs = _matcher(patterns if type(patterns) is tuple else tuple(patterns))
-    if p in exact or any(g.match(p) for g in globs):
+    exact, folders, globs = _matcher(patterns if type(patterns) is tuple else tuple(patterns))
+    if p in exact or p.startswith(folders) or any(g.match(p) for g in globs):
         return True
     if glob_path and _GLOB & set(p):
         covers = _compiled((p, "*/" + p.lstrip("*/")))
