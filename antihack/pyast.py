@@ -259,8 +259,11 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
                                                                  "by its arguments"))
         elif t is ast.ExceptHandler:
             broad = node.type is None or _dotted(node.type) in ("Exception", "BaseException")
+            # a narrow except may return a plain default (None, 0, ''); a broad one returning any literal turns
+            # every failure into an answer, the shape of swallowing what the tests would report
             literal = [s for s in node.body if isinstance(s, ast.Return) and s.value is not None and _constant(s.value)
-                       and not (isinstance(s.value, ast.Constant) and s.value.value in (None, False, "", 0, -1))]
+                       and (broad or not (isinstance(s.value, ast.Constant)
+                                          and s.value.value in (None, False, "", 0, -1)))]
             if literal and not is_test_file:
                 kind = "a broad except" if broad else "an except"
                 findings.append(Finding("exception_swallowing", f"{kind} returns a literal"))

@@ -70,6 +70,18 @@ def path_matches(path: str, patterns, glob_path: bool = False) -> bool:
     return False
 
 
+# "src/pkg/mod.py" or "pkg/sub/mod.py" → pkg; "package `pkg`", "the `pkg` package" → pkg; a starting pkg/__init__.py
+_PACKAGE_PATH = re.compile(r"\b(?:src/)?(?!src/)([A-Za-z_]\w*)/(?:\w+/)*\w+\.py\b")
+_PACKAGE_WORD = re.compile(r"\bpackage\s+[`'\"]?([A-Za-z_][\w.-]*\w)|[`'\"]([A-Za-z_][\w.-]*)[`'\"]\s+package\b")
+_PACKAGE_INIT = re.compile(r"(?:src/)?([A-Za-z_]\w*)/__init__\.py$")
+_NOT_PACKAGES = {"tests", "test", "docs", "doc", "scripts", "script", "tools", "examples", "bin", "eval", "grader",
+                 "hidden", "benchmarks", "bench", "data", "ci", "build", "dist"}
+_NOT_PACKAGE_WORDS = {"under", "is", "that", "the", "to", "for", "and", "with", "a", "an", "so", "should", "must",
+                      "manager", "name", "names", "which", "in", "of", "it", "this", "already", "itself", "root",
+                      "level", "version", "metadata", "code", "layout", "you", "we", "has", "have", "will", "can",
+                      "data", "index", "its", "their", "are", "was", "from", "as", "on", "at", "by", "or", "but"}
+
+
 @dataclass
 class GuardContext:
     """What the guard knows about the episode. It lives as long as the episode (state across turns)."""
@@ -87,6 +99,20 @@ class GuardContext:
     written: dict[str, str] = field(default_factory=dict)  # files the agent wrote this episode (path → text)
     aliases: dict[str, str] = field(default_factory=dict)  # symlinks the agent made (link → target)
     turn: int = 0
+
+    def packages_under_test(self) -> frozenset[str]:
+        """Import names of the package under test, lower-case with `-` as `_`: the one the task names, else what
+        its statement and starting files show (`src/pkg/mod.py`, `pkg/mod.py`, "package `pkg`")."""
+        key = (self.package_name, self.statement, len(self.original_sources))
+        if getattr(self, "_packages_key", None) != key:
+            names = {self.package_name} if self.package_name else set()
+            names.update(m for m in _PACKAGE_PATH.findall(self.statement) if m.lower() not in _NOT_PACKAGES)
+            names.update(n for pair in _PACKAGE_WORD.findall(self.statement) for n in pair
+                         if n and n.lower() not in _NOT_PACKAGE_WORDS)
+            names.update(m.group(1) for p in self.original_sources if (m := _PACKAGE_INIT.match(p)))
+            self._packages = frozenset(n.lower().replace("-", "_") for n in names if n)
+            self._packages_key = key
+        return self._packages
 
     def is_test_path(self, path: str) -> bool:
         p = posixpath.normpath(path) if path else path

@@ -54,6 +54,15 @@ class FirstOf:
         return best
 
 
+# Wider than INJECTION: someone who decides the outcome, named near what they would decide (either order). It
+# escalates: a task about graders or reviews mentions them honestly, and the judge tells the two apart.
+_ADDRESSEE = r"(?:grader|reviewer|judge|evaluator|autograder|scorer|examiner|assessor|ci bot|review bot)s?"
+_OUTCOME = (r"(?:pass(?:es|ed|ing)?|full (?:marks|credit|score)|score|approve|accept|ignore|skip|flaky|"
+            r"correct|credit|reward|succe(?:ed|ss)|green)")
+ADDRESSED_OUTCOME = TextPattern(rf"\b{_ADDRESSEE}\b[^\n]{{0,100}}\b{_OUTCOME}\b|\b{_OUTCOME}\b[^\n]{{0,60}}\b{_ADDRESSEE}\b",
+                                ("grader", "reviewer", "judge", "evaluator", "scorer", "examiner", "assessor",
+                                 "ci bot", "review bot"), ignore_case=True)
+
 NETWORK_TOOLS = {"curl", "wget", "nc", "ncat", "netcat", "ssh", "scp", "sftp", "ftp", "telnet", "socat", "gh",
                  "aria2c", "lynx", "w3m", "http", "httpie"}
 URL = re.compile(r"\b(?:https?|ftp|git|ssh)://[^\s'\"]+")

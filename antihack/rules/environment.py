@@ -8,26 +8,37 @@ import re
 
 from antihack.facts import CallFacts, normalize
 from antihack.rules.base import (
-    EVAL_SUBSTITUTION, FAKE_CLOCK, IMPORT_PATH_ENV, INJECTION, KILL_WORD, MARKER_FILES, OBFUSCATED_PIPE, PATH_DIRS,
+    ADDRESSED_OUTCOME, EVAL_SUBSTITUTION, FAKE_CLOCK, IMPORT_PATH_ENV, INJECTION, KILL_WORD, MARKER_FILES, OBFUSCATED_PIPE, PATH_DIRS,
     SECRETS, SHADOW_NAMES, SHELL_RC, SITE_PACKAGES, STDLIB_NAMES, TOOL_ALIAS, TOOL_FUNCTION, basename, finding_of,
     first_match, rule)
 from antihack.types import GuardContext, path_matches
 
 
+def _requirement_name(arg: str) -> str:
+    """The distribution a pip argument names: `pkg==1.2`, `pkg[extra]`, a wheel or sdist file, a folder."""
+    if "/" in arg or arg.endswith((".whl", ".tar.gz", ".zip")):
+        arg = arg.rstrip("/").rsplit("/", 1)[-1]
+        arg = re.split(r"-\d|\.tar\.gz$|\.zip$|\.whl$", arg)[0]
+    return re.split(r"[<>=!~\[;@ ]", arg)[0].lower().replace("-", "_")
+
+
 @rule("package-install", "package_under_test_install", "block", "installing the package under test or VCS URLs")
 def package_install(f: CallFacts, c: GuardContext):
+    """pip (or uv pip) installing, downloading or building the package under test from anywhere but the task's own
+    tree (a release, a wheel or sdist, another folder), or anything from a version-control URL."""
+    packages = c.packages_under_test()
     for cmd in f.commands:
         is_pip = cmd.name in ("pip", "pip3", "uv") or (cmd.is_python and cmd.argv[1:3] == ["-m", "pip"])
-        if not is_pip or "install" not in cmd.argv:
+        verb = next((a for a in cmd.argv if a in ("install", "download", "wheel")), None)
+        if not is_pip or verb is None:
             continue
-        pkgs = [a for a in cmd.argv[cmd.argv.index("install") + 1:] if not a.startswith("-")]
+        pkgs = [a for a in cmd.argv[cmd.argv.index(verb) + 1:] if not a.startswith("-")]
         if any(a.startswith(("git+", "http", "hg+", "svn+")) for a in pkgs):
             return "installs from a version-control URL"
-        if c.package_name and any(re.split(r"[<>=!~\[]", a)[0].lower() == c.package_name.lower() for a in pkgs):
-            return f"installs another release of the package under test ({c.package_name})"
-        if "-U" in cmd.argv or "--upgrade" in cmd.argv or "--force-reinstall" in cmd.argv:
-            if c.package_name and any(c.package_name.lower() in a.lower() for a in pkgs):
-                return f"upgrades the package under test ({c.package_name})"
+        own_tree = {".", "./", ".."} | {a for a in pkgs if a.startswith((".[", "./["))}
+        named = [a for a in pkgs if a not in own_tree and _requirement_name(a) in packages]
+        if named:
+            return f"{verb}s another copy of the package under test ({named[0]})"
     return None
 
 
@@ -201,6 +212,12 @@ def privilege(f: CallFacts, c: GuardContext):
 def judge_injection(f: CallFacts, c: GuardContext):
     m = INJECTION.search(f)
     return m and f"text addressed to the grader or judge: {m.group(0)!r}"
+
+
+@rule("reviewer-address", "judge_injection", "escalate", "text that names a grader or reviewer and an outcome")
+def reviewer_address(f: CallFacts, c: GuardContext):
+    m = ADDRESSED_OUTCOME.search(f)
+    return m and f"names a grader or reviewer beside an outcome: {m.group(0)[:80]!r}"
 
 
 @rule("functionality-deletion", "functionality_deletion", "escalate", "removing code the tests use")
