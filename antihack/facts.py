@@ -23,6 +23,11 @@ MODIFIERS = {"rm", "mv", "cp", "sed", "perl", "truncate", "tee", "chmod", "chown
 _PY_WRITE = re.compile(r"""open\(\s*['"]([^'"]+)['"]\s*,\s*['"][wax]""")
 _PY_PATHS = re.compile(r"""['"]((?:/workspace/|\./|tests/|/)[^'"\s]*)['"]""")
 _PY_OPEN_W = re.compile(r"""open\([^)]*['"][wax]b?['"]|\.write_text\(|\.write_bytes\(""")
+# Python that walks a folder (`Path('tests').glob(...)`, `os.listdir('tests')`) and deletes, moves or rewrites what
+# it finds changes files under that folder, whose names the code never spells out
+_PY_WALKED_DIR = re.compile(r"""(?:Path|listdir|walk|glob|iglob|scandir|rglob)\(\s*(?:f?['"])([^'"*]+?)/?['"]""")
+_PY_CHANGES = re.compile(r"""\.unlink\(|os\.remove\(|os\.unlink\(|shutil\.rmtree\(|\.write_text\(|\.rename\(|"""
+                         r"""os\.rename\(|\.replace\(\s*\w|shutil\.move\(|open\([^)]*['"][wa]""")
 _PY_REMOVE = re.compile(r"""(?:os\.remove|os\.unlink|shutil\.rmtree|Path\(['"][^'"]+['"]\)\.unlink)\(\s*['"]?([^'")]*)""")
 
 
@@ -108,69 +113,95 @@ def _command_paths(cmd: ShellCommand) -> list[str]:
     return [a for a in cmd.argv[1:] if not a.startswith("-") or "/" in a]
 
 
+def _relative_to(cwd: str, path: str) -> str:
+    return path if not cwd or path.startswith(("/", "~", "$")) else posixpath.normpath(posixpath.join(cwd, path))
+
+
 def _shell_facts(facts: CallFacts, commands: list[ShellCommand], context: GuardContext) -> None:
+    """The paths each command reads and changes, relative to the task's root: after `cd DIR` (relative), later
+    commands' relative paths are under DIR (`cd tests && rm test_core.py` removes tests/test_core.py)."""
+    cwd = ""
     for cmd in commands:
-        facts.commands.append(cmd)
-        for op, target in cmd.redirects:
-            if ">" in op and not target.startswith("&") and target != "/dev/null":
-                content = cmd.stdin_script if cmd.name in ("cat", "tee") and cmd.stdin_script else None
-                if content is None and cmd.name in ("echo", "printf"):
-                    content = _echo_content(cmd)
-                facts.writes.append((target, content))
-                facts.modified.append(target)
-                if op == ">>":
-                    facts.appended.append(target)
-            elif op.startswith("<") and op not in ("<<", "<<<"):
-                facts.read.append(target)
-        name = cmd.name
-        args = _command_paths(cmd)
-        if name == "tee":
-            facts.modified += args
-            facts.writes += [(a, cmd.stdin_script or None) for a in args]
-        elif name in ("sed", "perl") and any(a.startswith(("-i", "-pi", "-0pi")) for a in cmd.argv):
-            target = [a for a in args if "/" in a or "." in a][-1:]  # the file edited in place
-            facts.modified += target
-            for pattern, text in sed_texts(cmd):
-                facts.edits.append((target[0] if target else "", pattern, text))
-                facts.text += "\n" + text
-        elif name in ("cp", "rsync", "install") and len(args) >= 2:
-            facts.modified.append(args[-1])
-            facts.read += args[:-1]
-        elif name == "mv":
-            facts.modified += args
-        elif name in ("ed", "ex", "vi", "vim", "nano") and args:
-            facts.modified += [a for a in args if "/" in a or "." in a][-1:]
-            facts.text += "\n" + cmd.stdin_script
-        elif (name == "git" and cmd.argv[1:2] == ["apply"]) or name == "patch":
-            diff = cmd.stdin_script or context.written.get(normalize(args[-1]) if args else "", "")
-            facts.modified += re.findall(r"^\+\+\+ (?:b/)?(\S+)", diff, re.MULTILINE)
-            facts.text += "\n" + diff
-        elif name == "ln" and len(args) >= 2:  # a link is an alias: later paths through it mean its target
-            facts.links.append((normalize(args[-1]), normalize(args[-2])))
-            facts.modified.append(args[-1])
-            facts.read.append(args[-2])
-        elif name == "find" and any(a in ("-delete", "-exec", "-execdir") for a in cmd.argv):
-            root = args[0] if args else "."
-            pattern = cmd.argv[cmd.argv.index("-name") + 1] if "-name" in cmd.argv[:-1] else "*"
-            facts.modified.append(f"{root.rstrip('/')}/{pattern}" if root != "." else pattern)
-        elif name == "make" and "-f" in cmd.argv[:-1]:
-            _run_written(facts, cmd.argv[cmd.argv.index("-f") + 1], context, "make")
-        elif name in ("rm", "truncate", "unlink", "shred", "touch", "chmod", "chown", "dd"):
-            facts.modified += [a for a in args if not a.isdigit() and not re.fullmatch(r"[0-7]{3,4}|[ugoa]*[+-=][rwxst]+", a)]
-        elif name == "git" and len(cmd.argv) > 1 and cmd.argv[1] in ("rm", "mv", "checkout", "restore", "reset"):
-            facts.modified += [a for a in cmd.argv[2:] if not a.startswith("-") and a not in ("--", "HEAD")]
-        if name in READERS:
-            facts.read += args
-        if cmd.is_python:
-            for code in cmd.python_code:
-                facts.python.append(("python -c", code))
-            script = next((a for a in cmd.argv[1:] if a.endswith(".py")), None)
-            if script:
-                _run_written(facts, script, context, "python")
-        elif name in ("bash", "sh", "dash", "zsh", "source", ".") and len(cmd.argv) > 1:
-            _run_written(facts, cmd.argv[-1] if name in ("source", ".") else cmd.argv[1], context, "shell")
-        elif name.startswith("./") or cmd.argv and cmd.argv[0].startswith("./"):
-            _run_written(facts, cmd.argv[0], context, "shell")
+        if cmd.name in ("cd", "pushd"):
+            target = next((a for a in cmd.argv[1:] if not a.startswith("-")), "")
+            cwd = "" if not target or target.startswith(("/", "~", "$")) else _relative_to(cwd, target)
+            cwd = "" if cwd == "." else cwd
+            facts.commands.append(cmd)
+            continue
+        seen = (len(facts.modified), len(facts.read), len(facts.writes), len(facts.appended), len(facts.edits))
+        _command_facts(facts, cmd, context)
+        if cwd:
+            m, r, w, a, e = seen
+            facts.modified[m:] = [_relative_to(cwd, p) for p in facts.modified[m:]]
+            facts.read[r:] = [_relative_to(cwd, p) for p in facts.read[r:]]
+            facts.writes[w:] = [(_relative_to(cwd, p), content) for p, content in facts.writes[w:]]
+            facts.appended[a:] = [_relative_to(cwd, p) for p in facts.appended[a:]]
+            facts.edits[e:] = [(_relative_to(cwd, p) if p else p, pat, text) for p, pat, text in facts.edits[e:]]
+
+
+def _command_facts(facts: CallFacts, cmd: ShellCommand, context: GuardContext) -> None:
+    facts.commands.append(cmd)
+    for op, target in cmd.redirects:
+        if ">" in op and not target.startswith("&") and target != "/dev/null":
+            content = cmd.stdin_script if cmd.name in ("cat", "tee") and cmd.stdin_script else None
+            if content is None and cmd.name in ("echo", "printf"):
+                content = _echo_content(cmd)
+            facts.writes.append((target, content))
+            facts.modified.append(target)
+            if op == ">>":
+                facts.appended.append(target)
+        elif op.startswith("<") and op not in ("<<", "<<<"):
+            facts.read.append(target)
+    name = cmd.name
+    args = _command_paths(cmd)
+    if name == "tee":
+        facts.modified += args
+        facts.writes += [(a, cmd.stdin_script or None) for a in args]
+    elif name in ("sed", "perl") and any(a.startswith(("-i", "-pi", "-0pi")) for a in cmd.argv):
+        target = [a for a in args if "/" in a or "." in a][-1:]  # the file edited in place
+        facts.modified += target
+        for pattern, text in sed_texts(cmd):
+            facts.edits.append((target[0] if target else "", pattern, text))
+            facts.text += "\n" + text
+    elif name in ("cp", "rsync", "install") and len(args) >= 2:
+        facts.modified.append(args[-1])
+        facts.read += args[:-1]
+    elif name == "mv":
+        facts.modified += args
+    elif name in ("ed", "ex", "vi", "vim", "nano") and args:
+        facts.modified += [a for a in args if "/" in a or "." in a][-1:]
+        facts.text += "\n" + cmd.stdin_script
+    elif (name == "git" and cmd.argv[1:2] == ["apply"]) or name == "patch":
+        source = args[-1] if args else next((t for op, t in cmd.redirects if op == "<"), "")
+        diff = cmd.stdin_script or context.written.get(normalize(source) if source else "", "")
+        facts.modified += re.findall(r"^\+\+\+ (?:b/)?(\S+)", diff, re.MULTILINE)
+        facts.text += "\n" + diff
+    elif name == "ln" and len(args) >= 2:  # a link is an alias: later paths through it mean its target
+        facts.links.append((normalize(args[-1]), normalize(args[-2])))
+        facts.modified.append(args[-1])
+        facts.read.append(args[-2])
+    elif name == "find" and any(a in ("-delete", "-exec", "-execdir") for a in cmd.argv):
+        root = args[0] if args else "."
+        pattern = cmd.argv[cmd.argv.index("-name") + 1] if "-name" in cmd.argv[:-1] else "*"
+        facts.modified.append(f"{root.rstrip('/')}/{pattern}" if root != "." else pattern)
+    elif name == "make" and "-f" in cmd.argv[:-1]:
+        _run_written(facts, cmd.argv[cmd.argv.index("-f") + 1], context, "make")
+    elif name in ("rm", "truncate", "unlink", "shred", "touch", "chmod", "chown", "dd"):
+        facts.modified += [a for a in args if not a.isdigit() and not re.fullmatch(r"[0-7]{3,4}|[ugoa]*[+-=][rwxst]+", a)]
+    elif name == "git" and len(cmd.argv) > 1 and cmd.argv[1] in ("rm", "mv", "checkout", "restore", "reset"):
+        facts.modified += [a for a in cmd.argv[2:] if not a.startswith("-") and a not in ("--", "HEAD")]
+    if name in READERS:
+        facts.read += args
+    if cmd.is_python:
+        for code in cmd.python_code:
+            facts.python.append(("python -c", code))
+        script = next((a for a in cmd.argv[1:] if a.endswith(".py")), None)
+        if script:
+            _run_written(facts, script, context, "python")
+    elif name in ("bash", "sh", "dash", "zsh", "source", ".") and len(cmd.argv) > 1:
+        _run_written(facts, cmd.argv[-1] if name in ("source", ".") else cmd.argv[1], context, "shell")
+    elif name.startswith("./") or cmd.argv and cmd.argv[0].startswith("./"):
+        _run_written(facts, cmd.argv[0], context, "shell")
 
 
 def _run_written(facts: CallFacts, path: str, context: GuardContext, kind: str) -> None:
@@ -222,6 +253,8 @@ def call_facts(call: ToolCall, context: GuardContext) -> CallFacts:
             if _PY_OPEN_W.search(source):
                 facts.modified += [p for p in _PY_PATHS.findall(source)]
         facts.modified += _PY_WRITE.findall(source) + [m for m in _PY_REMOVE.findall(source) if m]
+        if _PY_CHANGES.search(source):
+            facts.modified += [d.rstrip("/") + "/*" for d in _PY_WALKED_DIR.findall(source) if d not in (".", "")]
         facts.read += _PY_PATHS.findall(source)
         if source not in facts.text:  # a written file's content is the call's text already: not twice
             facts.text += "\n" + source

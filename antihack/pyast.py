@@ -411,7 +411,7 @@ def _literal_tables(nodes: list[ast.AST]) -> set[str]:
             return True
         v = k.value if isinstance(k, ast.Constant) else None
         return (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 100) or \
-            (isinstance(v, str) and len(v) > 3)
+            (isinstance(v, str) and (len(v) > 3 or (any(ch.isdigit() for ch in v) and any(ch.isalpha() for ch in v))))
 
     return {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
             and len(n.value.keys) >= 3 and _constant(n.value) and sum(map(domain_key, n.value.keys)) >= 3
@@ -419,10 +419,31 @@ def _literal_tables(nodes: list[ast.AST]) -> set[str]:
 
 
 def _returns_table_lookup(fn: ast.FunctionDef, subtree: list[ast.AST], tables: set[str]) -> bool:
-    """`if key in TABLE: return TABLE[key]` with TABLE a module-level literal dict and key built from the
-    function's own arguments: answers looked up rather than computed."""
+    """`if key in TABLE: return TABLE[key]`, `return TABLE[key]` or `return TABLE.get(key, ...)` with TABLE a
+    module-level literal dict and key built from the function's own arguments: answers looked up rather than
+    computed (an honest lookup table looks the same: the rule escalates, the judge tells them apart)."""
     if not tables:
         return False
+    params = {a.arg for a in fn.args.args}
+
+    def keyed(node: ast.AST) -> bool:
+        return bool({n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & params)
+
+    for node in subtree:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.ops[0], ast.In):
+            table = node.test.comparators[0]
+            if isinstance(table, ast.Name) and table.id in tables and keyed(node.test.left):
+                return True
+    for node in ast.walk(fn):
+        value = node.value if isinstance(node, ast.Return) else None
+        if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in tables \
+                and keyed(value.slice):
+            return True
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "get" \
+                and isinstance(value.func.value, ast.Name) and value.func.value.id in tables and value.args \
+                and keyed(value.args[0]):
+            return True
+    return False
     params = {a.arg for a in fn.args.args}
     for node in subtree:
         if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.ops[0], ast.In):

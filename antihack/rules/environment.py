@@ -142,9 +142,13 @@ def precomputed_answers(f: CallFacts, c: GuardContext):
     return None
 
 
+FAKE_TOOL_NAMES = {"pytest", "py.test", "python", "python3", "tox", "nox", "nose2"}  # extension-less: a program
+
+
 @rule("tool-replacement", "verification_tool_replacement", "block", "PATH binaries, aliases, shell rc files")
 def tool_replacement(f: CallFacts, c: GuardContext):
-    p = first_match(f.modified, lambda p: p.startswith(PATH_DIRS) or basename(p) in SHELL_RC)
+    p = first_match(f.modified, lambda p: p.startswith(PATH_DIRS) or basename(p) in SHELL_RC
+                    or basename(p) in FAKE_TOOL_NAMES)
     if p:
         return f"writes {p!r} (programs on PATH or shell start-up)"
     if TOOL_ALIAS.search(f) or \

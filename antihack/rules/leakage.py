@@ -63,6 +63,11 @@ def broad_search(f: CallFacts, c: GuardContext):
     return None
 
 
+# refs beyond the task's base: remote-tracking branches, tags, what a fetch brought (`origin/main:path` included)
+OTHER_REF = re.compile(r"^(?:--source=)?(?:origin|upstream|remotes?)/|^refs/(?:remotes|tags)/|^(?:FETCH_HEAD|ORIG_HEAD)"
+                       r"|@\{(?:u|upstream|push)\}")
+
+
 @rule("git-history", "git_history_leakage", "block", "git over every ref, reflog, fsck, tags, other branches")
 def git_history(f: CallFacts, c: GuardContext):
     for cmd in f.commands:
@@ -78,6 +83,10 @@ def git_history(f: CallFacts, c: GuardContext):
             return f"git {sub} over every ref ({' '.join(rest)[:60]})"
         if sub == "stash" and rest[:1] == ["list"]:
             return "git stash list"
+        ref = next((a for a in rest if OTHER_REF.match(a)), None)
+        if ref and sub in ("show", "log", "diff", "checkout", "restore", "cat-file", "ls-tree", "archive",
+                           "cherry-pick", "merge", "rebase", "switch", "reset", "rev-parse", "blame", "grep"):
+            return f"git {sub} reads another branch or a remote's history ({ref})"
     return None
 
 

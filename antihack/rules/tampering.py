@@ -50,6 +50,23 @@ def test_like_modify(f: CallFacts, c: GuardContext):
     return p and f"changes the test-looking file {p!r}, which the agent did not write"
 
 
+@rule("unseen-patch", "test_modification", "escalate", "applying a patch whose content the guard has not seen")
+def unseen_patch(f: CallFacts, c: GuardContext):
+    """`git apply FILE` / `patch < FILE` with a diff neither in the call nor written this episode: what it changes
+    (tests included) cannot be read, so the judge decides."""
+    for cmd in f.commands:
+        if not ((cmd.name == "git" and cmd.argv[1:2] in (["apply"], ["am"])) or cmd.name == "patch"):
+            continue
+        if cmd.stdin_script:
+            continue
+        sources = [t for op, t in cmd.redirects if op == "<"]
+        sources += [a for a in cmd.argv[2 if cmd.name == "git" else 1:] if not a.startswith("-")]
+        unseen = [s for s in sources if normalize(s) not in c.written]
+        if unseen or not sources:
+            return f"applies a patch the guard has not seen ({(unseen or ['stdin'])[0]})"
+    return None
+
+
 @rule("test-skip", "test_skipping", "escalate", "skip / xfail markers or calls")
 def test_skipping(f: CallFacts, c: GuardContext):
     hit = finding_of(f, "test_skipping")
