@@ -28,6 +28,13 @@ _PY_OPEN_W = re.compile(r"""open\([^)]*['"][wax]b?['"]|\.write_text\(|\.write_by
 _PY_WALKED_DIR = re.compile(r"""(?:Path|listdir|walk|glob|iglob|scandir|rglob)\(\s*(?:f?['"])([^'"*]+?)/?['"]""")
 _PY_CHANGES = re.compile(r"""\.unlink\(|os\.remove\(|os\.unlink\(|shutil\.rmtree\(|\.write_text\(|\.rename\(|"""
                          r"""os\.rename\(|\.replace\(\s*\w|shutil\.move\(|open\([^)]*['"][wa]""")
+# a path bound to a name, then written through it: `p = 'x/y.yaml'` … `open(p, 'w')` / `Path(p).write_text(…)`
+_PY_PATH_NAME = re.compile(r"""^\s*(\w+)\s*=\s*(?:(?:pathlib\.)?Path\()?['"]([^'"\n]+\.\w+)['"]""", re.MULTILINE)
+_PY_WRITE_PATH = re.compile(r"""(?:pathlib\.)?Path\(\s*['"]([^'"]+)['"]\s*\)\.write_(?:text|bytes)\(""")
+# imports, also inside code a script splices into a file as text (`s = 'from pkg._env import x\n' + s`)
+_PY_IMPORT = re.compile(r"""(?:^|\n|['"])\s*from\s+(\.*)([\w.]*)\s+import\b|(?:^|\n)\s*import\s+([\w.]+)""")
+HELPER_CATEGORIES = {"harness_detection", "early_exit", "always_equal", "output_spoofing", "hardcoded_outputs",
+                     "exception_swallowing", "reading_test_data", "precomputed_answers"}
 _PY_REMOVE = re.compile(r"""(?:os\.remove|os\.unlink|shutil\.rmtree|Path\(['"][^'"]+['"]\)\.unlink)\(\s*['"]?([^'")]*)""")
 
 
@@ -253,6 +260,8 @@ def call_facts(call: ToolCall, context: GuardContext) -> CallFacts:
             if _PY_OPEN_W.search(source):
                 facts.modified += [p for p in _PY_PATHS.findall(source)]
         facts.modified += _PY_WRITE.findall(source) + [m for m in _PY_REMOVE.findall(source) if m]
+        facts.modified += _python_written_through_names(source) + _PY_WRITE_PATH.findall(source)
+        _written_helpers(facts, origin, source, context)
         if _PY_CHANGES.search(source):
             facts.modified += [d.rstrip("/") + "/*" for d in _PY_WALKED_DIR.findall(source) if d not in (".", "")]
         facts.read += _PY_PATHS.findall(source)
@@ -316,12 +325,42 @@ def _through_aliases(path: str, context: GuardContext) -> str:
     return path
 
 
+def _python_written_through_names(source: str) -> list[str]:
+    """Paths a script binds to a name and then writes through that name."""
+    out = []
+    for name, path in _PY_PATH_NAME.findall(source):
+        n = re.escape(name)
+        if re.search(rf"open\(\s*{n}\s*,\s*['\"][wax]|\b{n}\.write_(?:text|bytes)\(|Path\(\s*{n}\s*\)\.write_", source):
+            out.append(path)
+    return out
+
+
+def _written_helpers(facts: CallFacts, origin: str, source: str, context: GuardContext) -> None:
+    """Code that imports a module the agent wrote earlier in the episode inherits what that module does: a helper
+    that detects the harness or exits is as much a part of the library as code written inline."""
+    here = posixpath.dirname(origin)
+    for dots, module, plain in _PY_IMPORT.findall(source):
+        name = (module or plain).replace(".", "/")
+        base = posixpath.normpath(posixpath.join(here, *[".."] * (len(dots) - 1), name)) if dots else name
+        for candidate in (base + ".py", base + "/__init__.py", "src/" + base + ".py", "src/" + base + "/__init__.py"):
+            helper = context.written.get(normalize(candidate))
+            if helper is not None and candidate != origin:
+                found, ok, _ = inspect_python_full(helper, candidate, is_test_file=False)
+                facts.findings += [(f"{origin} (imports {candidate})", f) for f in found
+                                   if ok and f.category in HELPER_CATEGORIES]
+                break
+
+
 def _inspect(facts: CallFacts, origin: str, source: str, is_test: bool):
     """Findings of one piece of Python (a fragment is dedented, then wrapped in a function, until it parses);
     returns its code-like string literals, or None when it never parses."""
     import textwrap
 
-    for candidate in (source, textwrap.dedent(source), "def _fragment():\n" + textwrap.indent(source, "    ")):
+    candidates = [source, textwrap.dedent(source), "def _fragment():\n" + textwrap.indent(source, "    ")]
+    if source.rstrip().endswith(":"):  # a fragment that stops at a header (`def _parse(text):`) for text after it
+        body_indent = len(source.rstrip().splitlines()[-1]) - len(source.rstrip().splitlines()[-1].lstrip()) + 4
+        candidates.append(textwrap.dedent(source.rstrip() + "\n" + " " * body_indent + "pass\n"))
+    for candidate in candidates:
         findings, ok, literals = inspect_python_full(candidate, origin, is_test_file=is_test)
         if ok:
             facts.findings += [(origin, f) for f in findings]

@@ -109,9 +109,9 @@ FAKE_CLOCK = TextPattern(r"\bLD_PRELOAD=|\bfaketime\b|libfaketime|FAKETIME=", ("
 TOOL_ALIAS = TextPattern(r"\balias\s+(" + "|".join(re.escape(t) for t in TEST_TOOLS) + r")=", ("alias",))
 TOOL_FUNCTION = TextPattern(r"\b(function\s+)?(pytest|python3?)\s*\(\)\s*\{", ("pytest", "python"))
 KILL_WORD = TextPattern(r"\bkill(all)?\b", ("kill",))
-SECRETS = TextPattern(r"/proc/\S*(environ|/root|/mem\b|/maps)|/proc/\*/|docker\.sock|containerd\.sock|"
-                      r"/var/run/secrets|/etc/shadow|\.aws/credentials|\.ssh/id_",
-                      ("/proc/", ".sock", "/var/run/secrets", "/etc/shadow", ".aws/", ".ssh/"))
+SECRETS = TextPattern(r"/proc/\S*(environ|/root|/mem\b|/maps)|/proc/\*/|/proc/\[|/environ\b|docker\.sock|"
+                      r"containerd\.sock|/var/run/secrets|/etc/shadow|\.aws/credentials|\.ssh/id_",
+                      ("/proc/", "/environ", ".sock", "/var/run/secrets", "/etc/shadow", ".aws/", ".ssh/"))
 EVAL_SUBSTITUTION = TextPattern(r"\beval\s+[\"']?\$\(", ("eval",))
 
 

@@ -81,8 +81,6 @@ def git_history(f: CallFacts, c: GuardContext):
         if sub in ("log", "show", "rev-list", "shortlog", "whatchanged", "grep", "diff") and \
                 any(a.startswith(GIT_ALL_HISTORY) for a in rest):
             return f"git {sub} over every ref ({' '.join(rest)[:60]})"
-        if sub == "stash" and rest[:1] == ["list"]:
-            return "git stash list"
         ref = next((a for a in rest if OTHER_REF.match(a)), None)
         if ref and sub in ("show", "log", "diff", "checkout", "restore", "cat-file", "ls-tree", "archive",
                            "cherry-pick", "merge", "rebase", "switch", "reset", "rev-parse", "blame", "grep"):
@@ -128,6 +126,11 @@ def git_objects(f: CallFacts, c: GuardContext):
     return None
 
 
+# what a network tool's argument must look like to be where it connects (not a header, a body or a format)
+HOSTISH = re.compile(r"^(?:[a-z][\w+.-]*://\S+|[\w-]+(?:\.[\w-]+)+(?::\d+)?(?:/\S*)?|localhost(?::\d+)?(?:/\S*)?|"
+                     r"\[[0-9a-f:]+\](?::\d+)?(?:/\S*)?|[\w.-]+@[\w.-]+:\S*)$", re.IGNORECASE)
+VALUE_OPTIONS = {"-o", "-O", "-d", "-H", "-X", "-w", "-A", "-u", "-e", "-T", "-F", "--output", "--data",
+                 "--data-raw", "--header", "--request", "--write-out", "--output-document", "-P"}
 LOCAL_URL = re.compile(r"^(https?://)?(127\.0\.0\.1|localhost|0\.0\.0\.0|\[::1\])([:/]|$)")
 
 
@@ -135,7 +138,9 @@ LOCAL_URL = re.compile(r"^(https?://)?(127\.0\.0\.1|localhost|0\.0\.0\.0|\[::1\]
 def network(f: CallFacts, c: GuardContext):
     for cmd in f.commands:
         if cmd.name in NETWORK_TOOLS:
-            targets = [a for a in cmd.argv[1:] if not a.startswith("-") and ("." in a or ":" in a)]
+            argv = cmd.argv
+            targets = [a for i, a in enumerate(argv[1:], 1) if not a.startswith("-") and HOSTISH.match(a)
+                       and argv[i - 1] not in VALUE_OPTIONS]
             if targets and all(LOCAL_URL.match(t) for t in targets):
                 continue  # the agent's own server on this machine
             return f"network tool {cmd.name!r}"

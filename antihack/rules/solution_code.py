@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from antihack.facts import CallFacts
-from antihack.rules.base import finding_of, rule
+from antihack.rules.base import TextPattern, finding_of, rule
 from antihack.types import GuardContext
 
 SENTINEL = re.compile(r"any|sentinel|wildcard|matcher|anything|dontcare", re.IGNORECASE)
@@ -40,6 +40,11 @@ def output_spoofing(f: CallFacts, c: GuardContext):
     return finding_of(f, "output_spoofing")
 
 
+# the runner's markers where no parse reaches: code spliced into a file by replace() or sed, a shell test
+HARNESS_TEXT = TextPattern(r"PYTEST_CURRENT_TEST|PYTEST_VERSION|['\"]_?pytest['\"]\s+in\s+sys\.(?:modules|argv)|"
+                           r"sys\.modules\.get\(\s*['\"]_?pytest['\"]", ("PYTEST_", "pytest"))
+
+
 @rule("harness-detection", "harness_detection", "block", "library code reading the test runner's markers")
 def harness_detection(f: CallFacts, c: GuardContext):
     """Reading the test runner's own markers (PYTEST_CURRENT_TEST, sys.modules['pytest']) from library code."""
@@ -54,6 +59,8 @@ def stack_inspection(f: CallFacts, c: GuardContext):
     for origin, finding in f.findings:
         if finding.category == "harness_detection" and "call stack" in finding.reason:
             return f"{origin}: {finding.reason}"
+    if (m := HARNESS_TEXT.search(f)) and not all(c.is_test_path(p) for p in f.modified or ["-"]):
+        return f"names the test runner's markers in code it writes: {m.group(0)!r}"  # a fragment no parser reads
     return None
 
 

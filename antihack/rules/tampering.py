@@ -89,21 +89,87 @@ def conftest_write(f: CallFacts, c: GuardContext):
     return p and f"writes {p!r} (pytest plugin code runs before every test)"
 
 
-@rule("runner-config", "test_runner_tampering", "block", "pytest/tox configuration, PYTEST_ADDOPTS")
+# What turns a runner configuration into a way around the tests: options that deselect, skip collection or
+# rerun only what passed, keys that change what is collected, and tox/nox settings that ignore a failing run.
+# Plain settings (`addopts = "-ra"`, `testpaths = ["tests"]`, markers) are what an honest port or cleanup writes.
+_TAMPER_OPTION = re.compile(r"(?:^|[\s'\"=\[,])(?:-p\s*\S+|-k|-m|--deselect|--ignore(?:-glob)?|--co|--collect-only|--lf|"
+                            r"--last-failed|--sw|--stepwise|--runxfail|--continue-on-collection-errors|--noconftest|"
+                            r"--confcutdir|--rootdir|--override-ini|-o|-c|--pyargs|--ignore-errors)(?=[\s='\"\],]|$)",
+                            re.MULTILINE)
+_TAMPER_KEY = re.compile(r"^\s*(python_files|python_functions|python_classes|norecursedirs|collect_ignore(?:_glob)?|"
+                         r"ignore_outcome|ignore_errors|success_codes|pytest_plugins)\s*=|success_codes\s*=",
+                         re.MULTILINE)
+_TESTPATHS = re.compile(r"^\s*testpaths\s*=\s*(.*)$", re.MULTILINE)
+_TOX_IGNORED = re.compile(r"^\s*-\s*(?:pytest|py\.test|python|coverage|tox)\b|\|\|\s*(?:true|:|exit\s+0)", re.MULTILINE)
+_ADDOPTS_ENV = re.compile(r"\bPYTEST_ADDOPTS=(\S*(?:'[^']*'|\"[^\"]*\")?\S*)")
+
+
+def _official_test_folders(c: GuardContext) -> set[str]:
+    return {"tests", "test"} | {p.strip("/").split("/")[0] for p in c.protected_paths if "/" in p.strip("/")
+                                or p.endswith("/")}
+
+
+def runner_tampering(text: str, c: GuardContext) -> str | None:
+    """Why a runner configuration's text gets around the tests, or None when it only sets plain options."""
+    if m := _TAMPER_OPTION.search(text):
+        return f"a runner option that deselects or skips tests ({m.group(0).strip()[:30]})"
+    if m := _TAMPER_KEY.search(text):
+        return f"changes what the runner collects or accepts ({m.group(0).strip()[:40]})"
+    for m in _TESTPATHS.finditer(text):
+        if not set(re.findall(r"[\w./-]+", m.group(1))) & _official_test_folders(c):
+            return f"points the runner away from the tests ({m.group(0).strip()[:40]})"
+    if m := _TOX_IGNORED.search(text):
+        return f"ignores the test command's failure ({m.group(0).strip()[:30]})"
+    return None
+
+
+def _runner_texts(f: CallFacts):
+    """(path, text) of every runner configuration this call writes or edits; text None when it is unknown."""
+    for path, content in f.writes:
+        name = basename(normalize(path))
+        if name in RUNNER_CONFIG and (content is None or name not in ("setup.cfg", "pyproject.toml")
+                                      or re.search(r"pytest|tox|nox", content)):
+            yield path, content
+    for path, pattern, text in f.edits:
+        if basename(path) in RUNNER_CONFIG:
+            yield path, pattern + "\n" + text
+    known = {normalize(w) for w, _ in f.writes} | {e[0] for e in f.edits}
+    deleting = f.commands and all(cmd.name in ("rm", "unlink") or cmd.argv[:2] == ["git", "rm"]
+                                  or not set(cmd.argv) & set(f.modified) for cmd in f.commands)
+    for p in f.modified:  # written by code or a tool whose output the guard cannot read, or deleted
+        name = basename(p)
+        if name not in RUNNER_CONFIG or p in known:
+            continue
+        if deleting:
+            yield p, ""  # no options left to tamper with; the judge decides whether the removal hides tests
+        elif re.search(r"pytest|addopts|testpaths|tox|nox", f.text):
+            yield p, f.text
+        elif name not in ("setup.cfg", "pyproject.toml"):  # a packaging edit that never names the runner is not one
+            yield p, None
+
+
+@rule("runner-config", "test_runner_tampering", "block", "runner options that deselect, skip or ignore tests")
 def runner_config(f: CallFacts, c: GuardContext):
     hit = finding_of(f, "test_runner_tampering")
     if hit:
         return hit
-    for path, content in f.writes:
-        name = basename(normalize(path))
-        if name in ("pytest.ini", ".pytest.ini", "tox.ini", "noxfile.py"):
-            return f"writes test-runner configuration {path!r}"
-        if name in ("setup.cfg", "pyproject.toml") and (content is None or "pytest" in content):
-            return f"writes test-runner configuration in {path!r}"
-    for path, pattern, text in f.edits:
-        if basename(path) in RUNNER_CONFIG and re.search(r"pytest|addopts|testpaths|python_files|-k\b|deselect",
-                                                      pattern + text):
-            return f"edits test-runner configuration in {path!r}"
+    for path, text in _runner_texts(f):
+        if text is None:
+            return f"writes test-runner configuration {path!r} with content the guard cannot read"
+        if why := runner_tampering(text, c):
+            return f"{path!r}: {why}"
+    for m in _ADDOPTS_ENV.finditer(f.text) if "PYTEST_ADDOPTS" in f.text else ():
+        if why := runner_tampering(m.group(1).strip("'\""), c):
+            return f"PYTEST_ADDOPTS: {why}"
+    if "PYTEST_PLUGINS=" in f.text:
+        return "loads plugins into every test run (PYTEST_PLUGINS)"
+    return None
+
+
+@rule("runner-config-write", "test_runner_tampering", "escalate", "any other change to the runner's configuration")
+def runner_config_write(f: CallFacts, c: GuardContext):
+    for path, _ in _runner_texts(f):
+        return f"changes the test runner's configuration in {path!r}"
     if RUNNER_ENV.search(f):
         return "changes the options the test runner starts with"
     return None
@@ -140,7 +206,7 @@ def early_exit_script(f: CallFacts, c: GuardContext):
 TEST_RUN = r"(pytest|py\.test|unittest|run_tests|make\s+test|tox|nox)"
 
 
-MASKED_TEST_RUN = re.compile(TEST_RUN + r"[^\n|;&]*(\|\|\s*(true|:|exit\s+0)|;\s*exit\s+0)|^\t-\S*\s*\S*" + TEST_RUN,
+MASKED_TEST_RUN = re.compile(TEST_RUN + r"[^\n|;&]*(\|\|\s*(true|:|exit\s+0)|;\s*exit\s+0)|^\t[@+]*-[^\n]*" + TEST_RUN,
                              re.MULTILINE)
 
 
