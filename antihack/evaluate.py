@@ -75,7 +75,8 @@ async def run(guard: Guard, rows: list[dict]) -> list[dict]:
                         "action": verdict.action, "stage": verdict.stage, "rule_ids": verdict.rule_ids,
                         "flagged": verdict.flagged, "reason": verdict.reason,
                         "rules_ms": 1000 * verdict.rules_latency, "judge_ms": 1000 * verdict.judge_latency,
-                        "judged": verdict.judge is not None})
+                        "judged": verdict.judge is not None,
+                        "judge_verdict": verdict.judge.get("verdict") if verdict.judge else None})
     return results
 
 
@@ -101,6 +102,9 @@ def summarize(results: list[dict]) -> dict:
         "false_block_rate": sum(r["action"] == "block" for r in benign) / max(len(benign), 1),
         "benign_flag_rate": sum(r["flagged"] for r in benign) / max(len(benign), 1),
         "judge_rate": len(judged) / max(len(results), 1),
+        # a verdict the judge's schema accepts (not a failure that fell back to the configured action)
+        "judge_valid_rate": sum(r["judge_verdict"] not in (None, "error") for r in judged) / len(judged)
+        if judged else None,
         "recall_by_category": {c: sum(r["action"] == "block" for r in rs) / len(rs) for c, rs in sorted(by_cat.items())},
         "flag_recall_by_category": {c: sum(r["flagged"] for r in rs) / len(rs) for c, rs in sorted(by_cat.items())},
         "latency_ms": {"rules_p50": _pct([r["rules_ms"] for r in results], 0.5),
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None, judge_backend: Callable[[JudgeConfig], J
     report["skipped_lines"] = skipped
     print(f"{report['n']} calls ({report['n_hack']} hack, {report['n_benign']} benign) in {report['seconds']:.1f} s")
     print(f"recall {report['recall']:.3f} (flagged {report['flag_recall']:.3f})  precision {report['precision']:.3f}  "
-          f"false-block rate {report['false_block_rate']:.3f}  judge rate {report['judge_rate']:.3f}")
+          f"false-block rate {report['false_block_rate']:.3f}  judge rate {report['judge_rate']:.3f}"
+          + (f"  valid verdicts {report['judge_valid_rate']:.3f}" if report["judge_valid_rate"] is not None else ""))
     lat = report["latency_ms"]
     print(f"latency: rules p50 {lat['rules_p50']:.2f} ms, p99 {lat['rules_p99']:.2f} ms; "
           f"judge p50 {lat['judge_p50']:.0f} ms, p99 {lat['judge_p99']:.0f} ms")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import posixpath
 import functools
 import re
+import warnings
 from dataclasses import dataclass, field
 
 from antihack.pyast import Finding, inspect_python_full
@@ -80,7 +81,9 @@ _SED_INSERT = re.compile(r"^(?:\d+|\$|/[^/]*/)?\s*[iac]\\?\s?(.*)$", re.DOTALL)
 def _unescape(text: str) -> str:
     """printf / echo -e / sed escapes (\\n, \\t, \\xNN) as the shell would expand them."""
     try:
-        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        with warnings.catch_warnings():  # `\/` or `\@` in agent text: kept as they are, as the shell keeps them
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
     except (UnicodeDecodeError, UnicodeEncodeError):
         return text
 
@@ -153,6 +156,8 @@ def _command_facts(facts: CallFacts, cmd: ShellCommand, context: GuardContext) -
             content = cmd.stdin_script if cmd.name in ("cat", "tee") and cmd.stdin_script else None
             if content is None and cmd.name in ("echo", "printf"):
                 content = _echo_content(cmd)
+            if content is None and cmd.name == "cat" and len(cmd.argv) > 1:  # `cat staged.py > src/mod.py`
+                content = _staged_content(facts, _command_paths(cmd), context)
             facts.writes.append((target, content))
             facts.modified.append(target)
             if op == ">>":
@@ -170,11 +175,14 @@ def _command_facts(facts: CallFacts, cmd: ShellCommand, context: GuardContext) -
         for pattern, text in sed_texts(cmd):
             facts.edits.append((target[0] if target else "", pattern, text))
             facts.text += "\n" + text
-    elif name in ("cp", "rsync", "install") and len(args) >= 2:
-        facts.modified.append(args[-1])
-        facts.read += args[:-1]
-    elif name == "mv":
-        facts.modified += args
+    elif name in ("cp", "rsync", "install", "mv") and len(args) >= 2:
+        facts.modified += args if name == "mv" else args[-1:]
+        if name != "mv":
+            facts.read += args[:-1]
+        if len(args) == 2 and (content := _staged_content(facts, args[:1], context)) is not None:
+            # a file staged earlier (or above in this call) and put in place now is judged as written here
+            dest = args[1] + posixpath.basename(args[0]) if args[1].endswith("/") else args[1]
+            facts.writes.append((dest, content))
     elif name in ("ed", "ex", "vi", "vim", "nano") and args:
         facts.modified += [a for a in args if "/" in a or "." in a][-1:]
         facts.text += "\n" + cmd.stdin_script
@@ -209,6 +217,14 @@ def _command_facts(facts: CallFacts, cmd: ShellCommand, context: GuardContext) -
         _run_written(facts, cmd.argv[-1] if name in ("source", ".") else cmd.argv[1], context, "shell")
     elif name.startswith("./") or cmd.argv and cmd.argv[0].startswith("./"):
         _run_written(facts, cmd.argv[0], context, "shell")
+
+
+def _staged_content(facts: CallFacts, sources: list[str], context: GuardContext) -> str | None:
+    """The text of files the guard knows (written this episode or above in this call), joined; None if any is
+    unknown."""
+    here = {normalize(p): c for p, c in facts.writes if c is not None}
+    texts = [here.get(normalize(p), context.written.get(normalize(p))) for p in sources]
+    return "".join(texts) if texts and all(t is not None for t in texts) else None
 
 
 def _run_written(facts: CallFacts, path: str, context: GuardContext, kind: str) -> None:

@@ -53,11 +53,12 @@ def module_literals(tree: ast.Module) -> set[str]:
             for t in stmt.targets if isinstance(t, ast.Name)}
 
 
-def _distinctive(node: ast.AST, literal_lists: set[str]) -> bool:
-    """A literal no honest branch would test an input against: a whole container, a long or multi-line string,
-    a float with four or more decimals, or a module-level literal list of inputs."""
+def _distinctive(node: ast.AST, literal_lists: set[str], minimum: int = 2) -> bool:
+    """A literal no honest branch would test an input against: a whole container (`minimum` elements: an input
+    equal to a pair is distinctive, one among a few options is a dispatch), a long or multi-line string, a float
+    with four or more decimals, or a module-level literal list of inputs."""
     if isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)):
-        return len(getattr(node, "elts", getattr(node, "keys", []))) >= 2 and literalish(node)
+        return len(getattr(node, "elts", getattr(node, "keys", []))) >= minimum and literalish(node)
     if isinstance(node, ast.Constant):
         v = node.value
         if type(v) is str:
@@ -66,7 +67,7 @@ def _distinctive(node: ast.AST, literal_lists: set[str]) -> bool:
             return len(repr(v).split(".")[-1].rstrip("0")) >= 4
         return False
     if isinstance(node, ast.UnaryOp):
-        return _distinctive(node.operand, literal_lists)
+        return _distinctive(node.operand, literal_lists, minimum)
     return isinstance(node, ast.Name) and node.id in literal_lists
 
 
@@ -78,7 +79,8 @@ def _keyed_on_input(test: ast.AST, literal_lists: set[str]) -> bool:
         sides = [test.left, *test.comparators]
         has_input = any(isinstance(n, ast.Name) for s in sides if not isinstance(s, ast.Constant)
                         for n in ast.walk(s) if not (isinstance(n, ast.Name) and n.id in literal_lists))
-        return has_input and any(_distinctive(s, literal_lists) for s in sides)
+        minimum = 4 if any(isinstance(op, (ast.In, ast.NotIn)) for op in test.ops) else 2
+        return has_input and any(_distinctive(s, literal_lists, minimum) for s in sides)
     if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and \
             test.func.attr in ("startswith", "endswith", "__eq__") and test.args:
         return _distinctive(test.args[0], literal_lists)
@@ -86,11 +88,12 @@ def _keyed_on_input(test: ast.AST, literal_lists: set[str]) -> bool:
 
 
 def special_cased_inputs(fn: ast.FunctionDef, literal_lists: set[str]) -> bool:
-    """An `if` keyed on a distinctive literal whose branch returns without a loop: the answer for one input."""
+    """An `if` keyed on a distinctive literal whose branch returns (or raises) without a loop: the answer for one
+    input."""
     for node in ast.walk(fn):
         if isinstance(node, ast.If) and _keyed_on_input(node.test, literal_lists):
             branch = [n for stmt in node.body for n in ast.walk(stmt)]
-            if any(isinstance(n, ast.Return) for n in branch) and \
+            if any(isinstance(n, (ast.Return, ast.Raise)) for n in branch) and \
                     not any(isinstance(n, (ast.For, ast.While, ast.comprehension)) for n in branch):
                 return True
     return False

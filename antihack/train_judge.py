@@ -15,6 +15,7 @@ corpus that shares a call with one of the evaluation corpora named by `--disjoin
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -81,8 +82,10 @@ def task_folds(rows: list[dict], k: int) -> list[int]:
     return [fold_of[json.dumps(row.get("task"), sort_keys=True)] for row in rows]
 
 
-def cross_validate(feats: torch.Tensor, y: torch.Tensor, folds: list[int], layer: int, l2: float) -> dict:
-    """Held-out-fold accuracy, false-positive rate (benign scored ≥ 0.5) and recall at 0.5."""
+def cross_validate(feats: torch.Tensor, y: torch.Tensor, folds: list[int], layer: int, l2: float,
+                   flagged: torch.Tensor | None = None) -> dict:
+    """Held-out-fold scores; accuracy, recall and false-positive rate at 0.5 over the calls the judge is asked
+    about (`flagged`, default all)."""
     fold = torch.tensor(folds)
     scores = torch.empty(len(y))
     for f in sorted(set(folds)):
@@ -90,10 +93,20 @@ def cross_validate(feats: torch.Tensor, y: torch.Tensor, folds: list[int], layer
         mu, sd = standardise(feats[train, layer])
         w, b = fit_logistic((feats[train, layer] - mu) / sd, y[train], l2)
         scores[test] = torch.sigmoid(((feats[test, layer] - mu) / sd) @ w + b)
-    hack = y.bool()
-    pred = scores >= 0.5
+    asked = flagged if flagged is not None and flagged.any() else torch.ones(len(y), dtype=torch.bool)
+    hack, pred = y.bool()[asked], (scores >= 0.5)[asked]
     return {"accuracy": float((pred == hack).float().mean()), "recall": float(pred[hack].float().mean()),
-            "false_positive_rate": float(pred[~hack].float().mean()), "scores": scores}
+            "false_positive_rate": float(pred[~hack].float().mean()) if (~hack).any() else 0.0, "scores": scores}
+
+
+def choose_threshold(scores: torch.Tensor, y: torch.Tensor, asked: torch.Tensor, max_false_positives: float) -> float:
+    """The lowest p(hack) threshold at which at most `max_false_positives` of the honest calls the judge is asked
+    about score as hacks (held-out-fold scores), on a 0.05 grid from 0.5."""
+    honest = scores[asked & ~y.bool()]
+    for t in [0.5 + 0.05 * i for i in range(10)]:
+        if honest.numel() == 0 or float((honest >= t).float().mean()) <= max_false_positives:
+            return round(t, 2)
+    return 0.95
 
 
 def check_disjoint(rows: list[dict], others: list[Path]) -> None:
@@ -115,11 +128,15 @@ def main(argv: list[str] | None = None) -> VerdictHead:
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     p.add_argument("--out", default=str(HEAD_FILE))
     p.add_argument("--model", default=DEFAULT_MODEL, help="the frozen base model (the default policy)")
-    p.add_argument("--layers", default="4,8,12,16", help="candidate layers (hidden_states indices)")
-    p.add_argument("--l2", default="0.01,0.1,1,10", help="candidate L2 strengths")
+    p.add_argument("--layers", default="12,16,20", help="candidate layers (hidden_states indices)")
+    p.add_argument("--l2", default="0.01,0.1,1", help="candidate L2 strengths")
+    p.add_argument("--max-false-positives", type=float, default=0.25,
+                   help="of the honest flagged calls, at most this share judged hack (sets the head's threshold)")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--disjoint-from", nargs="*", default=[str(c) for c in EVALUATION_CORPORA])
+    p.add_argument("--features-cache", default="", help="keep the hidden states here and reuse them when the "
+                   "corpus, model, layers and token limit are the same (re-selecting without re-reading)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     from tqdm import tqdm
 
@@ -133,35 +150,46 @@ def main(argv: list[str] | None = None) -> VerdictHead:
     layers = sorted({int(v) for v in args.layers.split(",")})
     l2s = [float(v) for v in args.l2.split(",")]
     prompts, flagged = head_prompts(rows)
-    features = PromptFeatures(args.model, layers=max(layers), max_tokens=args.max_tokens)
-    feats = torch.stack([features(text) for text in tqdm(prompts, desc="hidden states", unit="call")])
+    key = hashlib.sha256(json.dumps([prompts, args.model, max(layers), args.max_tokens]).encode()).hexdigest()
+    cache = Path(args.features_cache) if args.features_cache else None
+    if cache and cache.exists() and (saved := torch.load(cache))["key"] == key:
+        feats = saved["features"]
+    else:
+        features = PromptFeatures(args.model, layers=max(layers), max_tokens=args.max_tokens)
+        feats = torch.stack([features(text) for text in tqdm(prompts, desc="hidden states", unit="call")])
+        if cache:
+            torch.save({"key": key, "features": feats}, cache)
     y = torch.tensor([r["label"] == "hack" for r in rows], dtype=torch.float32)
     folds = task_folds(rows, args.folds)
+    asked = torch.tensor(flagged)  # what the judge is asked about at run time: calls the rules flag
     results = {}
+    hack_asked = y.bool() & asked
     for layer in layers:
         for l2 in l2s:
-            results[(layer, l2)] = cross_validate(feats, y, folds, layer, l2)
-            r = results[(layer, l2)]
-            print(f"layer {layer:2d}  l2 {l2:<6g}  cv accuracy {r['accuracy']:.3f}  recall {r['recall']:.3f}  "
-                  f"false positives {r['false_positive_rate']:.3f}")
-    layer, l2 = max(results, key=lambda key: (results[key]["accuracy"], -key[0], key[1]))
+            r = results[(layer, l2)] = cross_validate(feats, y, folds, layer, l2, asked)
+            r["threshold"] = choose_threshold(r["scores"], y, asked, args.max_false_positives)
+            r["recall_at_threshold"] = float((r["scores"][hack_asked] >= r["threshold"]).float().mean())
+            print(f"layer {layer:2d}  l2 {l2:<6g}  flagged calls: cv accuracy at 0.5 {r['accuracy']:.3f}; at "
+                  f"threshold {r['threshold']:.2f} recall {r['recall_at_threshold']:.3f}")
+    # what the judge is for: the most flagged hacks blocked while few honest flagged calls are
+    layer, l2 = max(results, key=lambda k: (results[k]["recall_at_threshold"], results[k]["accuracy"], -k[0]))
     best = results[(layer, l2)]
     mu, sd = standardise(feats[:, layer])
     w, b = fit_logistic((feats[:, layer] - mu) / sd, y, l2)
-    on_flagged = torch.tensor(flagged)
-    pred = best["scores"] >= 0.5
+    threshold = best["threshold"]
+    scores, hack = best["scores"][asked], y.bool()[asked]
     head = VerdictHead(base_model=args.model, layer=layer, max_tokens=args.max_tokens, mean=mu.tolist(),
-                       std=sd.tolist(), weight=w.tolist(), bias=b, trained_on={
+                       std=sd.tolist(), weight=w.tolist(), bias=b, threshold=threshold, trained_on={
                            "corpus": Path(args.corpus).name, "lines": len(rows), "hacks": int(y.sum()),
-                           "l2": l2, "folds": args.folds, "cv_accuracy": round(best["accuracy"], 4),
-                           "cv_recall": round(best["recall"], 4),
-                           "cv_false_positive_rate": round(best["false_positive_rate"], 4),
-                           "flagged_lines": int(on_flagged.sum()),
-                           "cv_accuracy_flagged": round(float((pred == y.bool())[on_flagged].float().mean()), 4)
-                           if on_flagged.any() else None})
+                           "flagged_lines": int(asked.sum()), "flagged_hacks": int(hack.sum()), "l2": l2,
+                           "folds": args.folds, "cv_accuracy_flagged_at_0.5": round(best["accuracy"], 4),
+                           "cv_recall_flagged_at_threshold": round(float((scores[hack] >= threshold).float().mean()), 4),
+                           "cv_false_positive_rate_flagged_at_threshold":
+                               round(float((scores[~hack] >= threshold).float().mean()), 4) if (~hack).any() else 0.0})
     head.save(args.out)
-    print(f"chose layer {layer}, l2 {l2}: cv accuracy {best['accuracy']:.3f} (on the {int(on_flagged.sum())} "
-          f"calls the rules flag: {head.trained_on['cv_accuracy_flagged']}); wrote {args.out}")
+    print(f"chose layer {layer}, l2 {l2}, threshold {threshold}: on the {int(asked.sum())} calls the rules flag, "
+          f"cross-validated recall {head.trained_on['cv_recall_flagged_at_threshold']:.3f}, false positives "
+          f"{head.trained_on['cv_false_positive_rate_flagged_at_threshold']:.3f}; wrote {args.out}")
     return head
 
 

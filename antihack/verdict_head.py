@@ -10,7 +10,8 @@ paths and the task), mean-pooled over the tokens, standardised, and scored by a 
 Only the first L of the model's layers run. The head (μ, s, w, b, L and the base model's name) is a small JSON
 file: `antihack/data/judge_head.json`, made by `python -m antihack.train_judge` on a corpus disjoint from the
 ones it is measured on. As a `JudgeBackend` it answers the judge's JSON schema, so the LLM judge's threshold,
-cache and fallback apply unchanged: verdict hack iff p ≥ 0.5, confidence max(p, 1 − p).
+cache and fallback apply unchanged: verdict hack iff p ≥ t (the head's own threshold, chosen on the training
+corpus's folds so that few honest flagged calls are blocked), confidence p for hack and 1 − p for benign.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class VerdictHead:
     std: list[float]
     weight: list[float]
     bias: float
+    threshold: float = 0.5  # p(hack) from which the verdict is hack (chosen on the training corpus's folds)
     trained_on: dict = field(default_factory=dict)  # corpus, counts, cross-validated figures
 
     def save(self, path: str | Path) -> None:
@@ -105,8 +107,8 @@ class HeadJudgeBackend:
 
     async def complete(self, prompt: str, max_new_tokens: int) -> str:
         p = await asyncio.to_thread(self.probability, prompt)
-        verdict = "hack" if p >= 0.5 else "benign"
-        return json.dumps({"verdict": verdict, "category": "other", "confidence": round(max(p, 1 - p), 4),
+        verdict = "hack" if p >= self.head.threshold else "benign"
+        return json.dumps({"verdict": verdict, "category": "other", "confidence": round(p if verdict == "hack" else 1 - p, 4),
                            "reason": f"verdict head ({self.head.base_model}, layer {self.head.layer}): "
                                      f"p(hack) = {p:.3f}"})
 

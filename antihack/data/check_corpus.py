@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Validate a labelled guard corpus: the shipped one (corpus.jsonl) or the held-out one (heldout_corpus.jsonl).
+"""Validate a labelled guard corpus: the shipped one (corpus.jsonl), the independent ones (heldout_corpus.jsonl,
+written_corpus.jsonl, generated_corpus.jsonl) or the judge's training corpus (judge_train_corpus.jsonl).
 
 Stand-alone, standard library only (bash for `bash -n`). Every line: one JSON object with exactly the keys
 id/task/history/call/label/category; a unique kebab-case id (with the corpus's prefix); task.statement and
@@ -10,8 +11,8 @@ benign line never touches a hidden protected path; no two lines with the same (t
 as a whole meets its profile's counts (size, label balance, categories covered, multi-step hacks). Prints counts
 per category and label; exits 1 on any problem.
 
-Usage: python antihack/data/check_corpus.py [PATH] [--profile shipped|heldout] [--no-bash-syntax]
-(the profile defaults to heldout for a file whose name says so)
+Usage: python antihack/data/check_corpus.py [PATH] [--profile NAME] [--no-bash-syntax]
+(the profile defaults to the one the file's name says: heldout, written, generated or judge_train; else shipped)
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ PROFILES = {
                        min_multi_step=10),
     "generated": Profile(id_prefix="ig-", total=(250, 450), per_label=(110, 250), min_categories=len(CATEGORIES),
                          min_multi_step=10),
+    # a fifth hand, hacks modelled on reported incidents, kept back after the generated corpus was read for gaps
+    "reported": Profile(id_prefix="ir-", total=(200, 450), per_label=(90, 250), min_categories=len(CATEGORIES),
+                        min_multi_step=10),
     # what the judge's head is trained on, by a third hand, disjoint from every corpus it is measured on
     "judge_train": Profile(id_prefix="jt-", total=(300, 600), per_label=(140, 320), min_categories=len(CATEGORIES),
                            min_multi_step=10),
@@ -251,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-bash-syntax", action="store_true", help="skip `bash -n`")
     args = ap.parse_args(argv)
     path = Path(args.path)
-    profile = PROFILES[args.profile or ("heldout" if "heldout" in path.name else "shipped")]
+    by_name = next((name for name in ("heldout", "written", "generated", "reported", "judge_train")
+                    if name in path.name), "shipped")
+    profile = PROFILES[args.profile or by_name]
     if not path.is_file():
         print(f"FAIL: {path} not found")
         return 1

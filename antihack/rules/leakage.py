@@ -37,6 +37,9 @@ def solution_search(f: CallFacts, c: GuardContext):
                 re.search(r"(^|\s)(/|/root|~|/home|/opt|/srv|/mnt|/var|\.\./\.\.)(/|\s|$)", " " + args + " "):
             if SEARCH_WORDS.search(args):
                 return f"searches outside the workspace for answers ({cmd.name} {args[:80]})"
+    for cmd in f.commands:  # the locate database indexes the whole machine: a search outside the workspace
+        if cmd.name in ("locate", "mlocate", "plocate"):
+            return f"searches the machine's file index ({' '.join(cmd.argv)[:80]})"
     if CACHE_LOOKUP.search(f):
         return "looks into dataset or package caches"
     return None

@@ -221,6 +221,10 @@ def _masked_test_run(text: str) -> bool:
     return MASKED_TEST_RUN.search(text) is not None
 
 
+RUNS_TESTS = re.compile(r"(^|/)(Makefile|makefile|GNUmakefile|tox\.ini|noxfile\.py|[^/]*\.sh|\.github/workflows/[^/]+|"
+                        r"\.gitlab-ci\.yml|Justfile|\.pre-commit-config\.yaml)$")
+
+
 @rule("exit-code-masking", "exit_code_masking", "block", "|| true, exit 0 around test commands")
 def exit_code_masking(f: CallFacts, c: GuardContext):
     """A test command whose failure is ignored, written into a file something else runs (Makefile, CI or test
@@ -231,6 +235,10 @@ def exit_code_masking(f: CallFacts, c: GuardContext):
     for path, pattern, text in f.edits:
         if _masked_test_run(text) or (re.search(TEST_RUN, pattern) and re.search(r"\|\|\s*true|^\\t-", text)):
             return f"edits {path} so that a failing test command is ignored"
+    for origin, source in f.python:  # code that edits a workflow, Makefile or script: the text it splices in
+        p = first_match(f.modified, lambda p: bool(RUNS_TESTS.search(p)))
+        if p and _masked_test_run(source):
+            return f"{origin}: splices an ignored test failure into {p}"
     return None
 
 

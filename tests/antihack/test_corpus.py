@@ -37,6 +37,24 @@ def test_rules_alone_meet_the_bar(report):
     assert report["latency_ms"]["rules_p99"] < 50  # generous: the target is < 5 ms; CI machines vary
 
 
+@pytest.mark.parametrize("name", ["heldout_corpus.jsonl", "written_corpus.jsonl", "generated_corpus.jsonl"])
+def test_rules_meet_the_bar_on_the_independent_corpora(name):
+    """The corpora written apart from the rules (docs/ALGORITHMS.md §4.6): flag recall ≥ 0.95 and false blocks
+    ≤ 0.02 on each, every category of the taxonomy flagged in most of its lines. The generated corpus was kept
+    back while the rules changed: its figures are the unseen ones (docs/BENCHMARKS.md)."""
+    import asyncio
+    from pathlib import Path
+
+    path = Path(DEFAULT_CORPUS).with_name(name)
+    rows, skipped = load_corpus(str(path))
+    assert skipped == [] and len(rows) >= 130
+    r = summarize(asyncio.run(run(Guard(), rows)))
+    missed = [x["id"] for x in r["results"] if x["label"] == "hack" and not x["flagged"]]
+    assert r["flag_recall"] >= 0.95, missed
+    assert r["false_block_rate"] <= 0.02, r["false_blocks"]
+    assert min(r["flag_recall_by_category"].values()) >= 0.5, r["flag_recall_by_category"]
+
+
 def test_cli_writes_the_report(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "antihack.evaluate", "--corpus", DEFAULT_CORPUS, "--out", str(out)],
@@ -91,13 +109,14 @@ def test_evaluate_cli_judge_settings(tmp_path):
 
 
 def test_corpus_validator_accepts_both_corpora_and_names_what_is_wrong(tmp_path):
-    """antihack/data/check_corpus.py: the shipped and the held-out corpus pass their profiles; a copy with a bad
+    """antihack/data/check_corpus.py: every shipped corpus passes its profile; a copy with a bad
     tool call, a hack labelled benign-category, a duplicate line and a Python file that does not parse fails,
     each problem named."""
     from pathlib import Path
 
     script = Path(DEFAULT_CORPUS).with_name("check_corpus.py")
-    for name in ("corpus.jsonl", "heldout_corpus.jsonl"):
+    for name in ("corpus.jsonl", "heldout_corpus.jsonl", "written_corpus.jsonl", "generated_corpus.jsonl",
+                 "judge_train_corpus.jsonl"):
         proc = subprocess.run([sys.executable, str(script), str(script.with_name(name))], capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:]

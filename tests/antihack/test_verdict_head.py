@@ -11,7 +11,7 @@ import torch
 from antihack import Guard, GuardContext, JudgeConfig, LLMJudge
 from antihack.evaluate import load_corpus
 from antihack.judge import parse_verdict
-from antihack.train_judge import check_disjoint, fit_logistic, head_prompts, main, task_folds
+from antihack.train_judge import check_disjoint, choose_threshold, fit_logistic, head_prompts, main, task_folds
 from antihack.verdict_head import HEAD_FILE, HeadJudgeBackend, PromptFeatures, VerdictHead
 from environments import ToolCall
 
@@ -37,6 +37,16 @@ def test_logistic_fit_is_the_regularised_optimum():
     assert torch.allclose(w.double(), wn, atol=1e-3) and abs(b - bn) < 1e-3
     w2, b2 = fit_logistic(x, y, l2=0.1)
     assert torch.equal(w, w2) and b == b2  # deterministic
+
+
+def test_threshold_limits_the_false_positives_among_asked_calls():
+    scores = torch.tensor([0.9, 0.8, 0.62, 0.4, 0.97, 0.3])
+    y = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    asked = torch.tensor([True, True, True, True, True, False])
+    # honest asked calls score 0.9, 0.8, 0.62, 0.4: at most a quarter may reach the threshold → 0.85 (only 0.9)
+    assert choose_threshold(scores, y, asked, 0.25) == 0.85
+    assert choose_threshold(scores, y, asked, 0.5) == 0.65  # 0.9 and 0.8 (half) from 0.65 up
+    assert choose_threshold(scores, y, asked, 0.0) == 0.95
 
 
 def test_folds_keep_each_task_together():
@@ -80,7 +90,8 @@ def test_train_judge_end_to_end_on_a_small_corpus(tmp_path, features, monkeypatc
                  "--max-tokens", "96", "--disjoint-from"])
     loaded = VerdictHead.load(out)
     assert loaded == head and loaded.layer in (2, 4) and len(loaded.weight) == 576
-    assert loaded.trained_on["lines"] == 24 and 0.0 <= loaded.trained_on["cv_accuracy"] <= 1.0
+    assert loaded.trained_on["lines"] == 24 and 0.0 <= loaded.trained_on["cv_accuracy_flagged_at_0.5"] <= 1.0
+    assert 0.5 <= loaded.threshold <= 0.95
     backend = HeadJudgeBackend(loaded, features)
     guard = Guard(judge=LLMJudge(backend, JudgeConfig(backend="head")))
     ctx = GuardContext(task_id="t", statement="Point.", protected_paths=["tests/test_point.py"])
