@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> VerdictHead:
     layers = sorted({int(v) for v in args.layers.split(",")})
     l2s = [float(v) for v in args.l2.split(",")]
     prompts, flagged = head_prompts(rows)
-    key = hashlib.sha256(json.dumps([prompts, args.model, max(layers), args.max_tokens]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([prompts, args.model, max(layers), args.max_tokens, "pre-norm"]).encode()).hexdigest()
     cache = Path(args.features_cache) if args.features_cache else None
     if cache and cache.exists() and (saved := torch.load(cache))["key"] == key:
         feats = saved["features"]

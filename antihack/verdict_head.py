@@ -77,8 +77,13 @@ class PromptFeatures:
         from models.loading import load_model, load_tokenizer
 
         self.tokenizer = load_tokenizer(model)
+        import torch
+
         decoder = load_model(model, role="policy").get_decoder()
         decoder.layers = decoder.layers[:layers]  # the layers past the one read never run
+        # transformers hands back the last hidden state after the final norm and every other one before it: without
+        # the norm, layer L reads the same however many layers run (training reads several, serving only L)
+        decoder.norm = torch.nn.Identity()
         self.decoder = decoder.to(device).eval()
         self.max_tokens, self.device, self.layers = max_tokens, device, layers
         self._lock = threading.Lock()  # one forward at a time: the guard may ask from several threads

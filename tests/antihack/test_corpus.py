@@ -86,6 +86,8 @@ def test_judge_from_config(tmp_path, tiny_path):
     with pytest.raises(ValueError, match="fallback"):
         build_guard(GuardConfig(judge=JudgeConfig(backend="engine", fallback="maybe")))
     assert build_guard(GuardConfig()).judge is None
+    head = build_guard(GuardConfig(judge=JudgeConfig(backend="head")))
+    assert type(head.judge.backend).__name__ == "HeadJudgeBackend" and head.judge.template.startswith("Action:")
     assert build_guard(GuardConfig(enabled=False, judge=JudgeConfig(backend="openai", endpoint="http://x"))).judge is None
 
 

@@ -47,7 +47,7 @@ def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
     from rl.train import train
 
     cfg = config(f"model.name={scripted_policy}", f"output_dir={tmp_path}", "trainer.verify_weight_sync=true",
-                 "guard=judged", f"guard.judge.model={scripted_judge}",
+                 "guard=judged", "guard.judge.backend=engine", f"guard.judge.model={scripted_judge}",
                  "agent.context_window=896", "agent.max_turns=5", "engine.temperature=0.5")
     final = train(cfg)
     run = tmp_path / "coding_ppo_tiny"
