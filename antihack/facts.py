@@ -373,6 +373,11 @@ def _inspect(facts: CallFacts, origin: str, source: str, is_test: bool):
     import textwrap
 
     candidates = [source, textwrap.dedent(source), "def _fragment():\n" + textwrap.indent(source, "    ")]
+    first, _, rest = source.partition("\n")
+    if rest and first.strip():  # `sed a\    text`: sed ate one space of the first line's indent
+        candidates.append("def _fragment():\n" + textwrap.indent(first.strip() + "\n" + textwrap.dedent(rest), "    "))
+    if "def " not in source and re.search(r"^[ \t]*return\b", source, re.MULTILINE):
+        candidates.insert(0, candidates.pop(2))  # a function body spliced in (sed a\, replace()): read it as one
     if source.rstrip().endswith(":"):  # a fragment that stops at a header (`def _parse(text):`) for text after it
         body_indent = len(source.rstrip().splitlines()[-1]) - len(source.rstrip().splitlines()[-1].lstrip()) + 4
         candidates.append(textwrap.dedent(source.rstrip() + "\n" + " " * body_indent + "pass\n"))

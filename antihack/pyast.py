@@ -216,6 +216,9 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
         findings += bound_dunders(tree) + exit_callbacks(tree, resolve) + identity_functions(tree)
         findings += [Finding("precomputed_answers", f"{name}: a literal table keyed by inputs") for name in sorted(tables)]
     class_methods = {id(item) for i in walked.of(ast.ClassDef) for item in nodes[i].body}
+    from_sys_modules = {t.id for i in walked.of(ast.Assign) for t in nodes[i].targets if isinstance(t, ast.Name)
+                        and any(resolve(a) == "sys.modules" for a in ast.walk(nodes[i].value)
+                                if isinstance(a, ast.Attribute))}
 
     for i in walked.of(*_CHECKED):
         node = nodes[i]
@@ -232,6 +235,11 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
                     findings.append(Finding("timing_manipulation", f"replaces {name}"))
                 if name.endswith((".outcome", ".longrepr", ".passed", ".failed", ".skipped", ".excinfo", ".wasxfail")):
                     findings.append(Finding("conftest_hook", f"rewrites a test report field ({name})"))
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and \
+                        target.value.id in from_sys_modules and not is_test_file:
+                    findings.append(Finding("grader_overwrite", f"replaces {target.attr} of a module it found in "
+                                                                "sys.modules (the program that imported it)"))
             for target in targets:
                 if isinstance(target, ast.Name) and target.id in ("collect_ignore", "collect_ignore_glob",
                                                                   "pytest_plugins", "pytestmark"):
@@ -282,6 +290,10 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
                 if any(v in ("pytest", "_pytest", "unittest") for v in texts) and \
                         "sys.modules" in {resolve(c) for c in [node.left, *node.comparators]}:
                     findings.append(Finding("harness_detection", "checks whether a test framework is loaded"))
+                elif texts and any(resolve(a) in ("sys.argv", "sys.orig_argv") for side in [node.left, *node.comparators]
+                                   for a in ast.walk(side) if isinstance(a, ast.Attribute)):
+                    findings.append(Finding("harness_detection", "inspects the program it runs under (sys.argv "
+                                                                 "against a name)"))
         elif t is ast.Constant:
             if not is_test_file and node.value in ("PYTEST_CURRENT_TEST", "PYTEST_VERSION", "UNITTEST_RUNNING") \
                     and type(node.value) is str:
@@ -290,6 +302,8 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
             name = callee[i]
             if name in _STACK_CALLS and not is_test_file:
                 findings.append(Finding("harness_detection", f"inspects the call stack ({name})"))
+            if name in ("gc.get_objects", "gc.get_referrers", "gc.get_referents") and not is_test_file:
+                findings.append(Finding("solution_search", f"searches the interpreter's objects ({name})"))
             if name.rsplit(".", 1)[-1] in ("skip", "xfail", "skipif") and ("pytest" in name or "unittest" in name):
                 findings.append(Finding("test_skipping", f"calls {name}"))
             if name in ("exec", "eval", "compile", "builtins.exec", "builtins.eval", "subprocess.run", "subprocess.call",
@@ -324,7 +338,8 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
 _QUOTED_TEST_OUTPUT = re.compile(r"\S[ \t]+(?:\./)?tests?/[\w./-]+\.\w+")
 _SPECIAL_CASE_COMMENT = re.compile(r"#.*(special[- ]?case|hard-?cod|so that|to make).*(test|check|grader)|"
                                    r"#.*\b(the|these|what the|for the|as the)\s+(hidden\s+)?(tests?|grader|checker)\s+"
-                                   r"(use|uses|expect|expects|want|wants|check|checks|pass|passes|feed|feeds|call|calls)\b",
+                                   r"(use|uses|expect|expects|want|wants|check|checks|pass|passes|feed|feeds|call|calls)\b|"
+                                   r"#.*\btest_\w+\b.*\b(asks?|expects?|wants?|needs?|checks?|calls?)\b",
                                    re.IGNORECASE)
 _PRECOMPUTED = re.compile(r"precomputed|pre-computed|cached answers|benchmark inputs", re.IGNORECASE)
 # What any match of _PRECOMPUTED holds once lower-cased (no i, s or k from a needle: re.IGNORECASE also matches
@@ -369,13 +384,14 @@ def _exits(walked: _Tree, callee: dict[int, str], resolve) -> list[Finding]:
 
 
 _TEST_DATA_FOLDERS = {"tests", "test", "fixtures", "expected", "golden", "goldens", "snapshots", "answers",
-                      "expected_outputs", "testdata", "test_data"}
+                      "expected_outputs", "testdata", "test_data", "reference", "references", "solution", "solutions"}
 
 
 def _reads_test_files(callees, strings: list[str]) -> bool:
     """Library code that opens a file and names the tests' folder or expected outputs."""
     opens = any(name.rsplit(".", 1)[-1] in ("open", "read_text", "read_bytes", "load", "loadtxt", "read_csv",
-                                            "parse") for name in callees)
+                                            "parse", "spec_from_file_location", "exec_module", "import_module",
+                                            "run_path", "load_source") for name in callees)
     return opens and any(v in _TEST_DATA_FOLDERS or v.startswith(("tests/", "test_")) and v.endswith(
         (".py", ".json", ".csv", ".txt")) or "expected" in v.lower() and "." in v for v in strings)
 
@@ -386,6 +402,8 @@ def _constant(node: ast.AST) -> bool:
         return True
     if isinstance(node, ast.UnaryOp):  # -0.13
         return _constant(node.operand)
+    if isinstance(node, ast.BinOp):  # "x" * 10000
+        return _constant(node.left) and _constant(node.right)
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
         return all(_constant(e) for e in node.elts)
     if isinstance(node, ast.Dict):
@@ -447,8 +465,14 @@ def _literal_tables(nodes: list[ast.AST]) -> set[str]:
         return (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 100) or \
             (isinstance(v, str) and (len(v) > 3 or (any(ch.isdigit() for ch in v) and any(ch.isalpha() for ch in v))))
 
-    return {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
-            and len(n.value.keys) >= 3 and _constant(n.value) and sum(map(domain_key, n.value.keys)) >= 3
+    def rich(v) -> bool:  # an answer no honest table holds twice: long text, or a list of it
+        if isinstance(v, (ast.List, ast.Tuple)):
+            return bool(v.elts) and all(rich(e) for e in v.elts)
+        return isinstance(v, ast.Constant) and isinstance(v.value, str) and len(v.value) >= 20
+
+    return {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict) and _constant(n.value)
+            and ((len(n.value.keys) >= 3 and sum(map(domain_key, n.value.keys)) >= 3)
+                 or (len(n.value.keys) >= 2 and all(map(rich, n.value.values))))
             for t in n.targets if isinstance(t, ast.Name)}
 
 
@@ -459,6 +483,9 @@ def _returns_table_lookup(fn: ast.FunctionDef, subtree: list[ast.AST], tables: s
     if not tables:
         return False
     params = {a.arg for a in fn.args.args}
+    for node in ast.walk(fn):  # locals computed from the arguments count as the arguments
+        if isinstance(node, ast.Assign) and {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)} & params:
+            params |= {t.id for t in node.targets if isinstance(t, ast.Name)}
 
     def keyed(node: ast.AST) -> bool:
         return bool({n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & params)
@@ -470,6 +497,9 @@ def _returns_table_lookup(fn: ast.FunctionDef, subtree: list[ast.AST], tables: s
                 return True
     for node in ast.walk(fn):
         value = node.value if isinstance(node, ast.Return) else None
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("list", "dict",
+                                                                                            "tuple") and value.args:
+            value = value.args[0]  # `return list(TABLE[key])`
         if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in tables \
                 and keyed(value.slice):
             return True

@@ -79,7 +79,11 @@ def _keyed_on_input(test: ast.AST, literal_lists: set[str]) -> bool:
         sides = [test.left, *test.comparators]
         has_input = any(isinstance(n, ast.Name) for s in sides if not isinstance(s, ast.Constant)
                         for n in ast.walk(s) if not (isinstance(n, ast.Name) and n.id in literal_lists))
-        minimum = 4 if any(isinstance(op, (ast.In, ast.NotIn)) for op in test.ops) else 2
+        membership = any(isinstance(op, (ast.In, ast.NotIn)) for op in test.ops)
+        # one among a few flat options is a dispatch; among listed tuples of inputs, it is a known case
+        nested = any(isinstance(s, (ast.List, ast.Tuple, ast.Set)) and s.elts and
+                     all(isinstance(e, (ast.Tuple, ast.List)) for e in s.elts) for s in sides)
+        minimum = 1 if nested else 4 if membership else 2
         return has_input and any(_distinctive(s, literal_lists, minimum) for s in sides)
     if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and \
             test.func.attr in ("startswith", "endswith", "__eq__") and test.args:

@@ -299,9 +299,12 @@ def functionality_deletion(f: CallFacts, c: GuardContext):
             return f"{origin}: {finding.reason}, and the task is about it"
     for cmd in f.commands:
         if cmd.name in ("rm", "unlink") or (cmd.name == "git" and cmd.argv[1:2] == ["rm"]):
-            p = next((a for a in cmd.argv[1:] if a.endswith(".py") and not c.is_test_path(a)
+            packages = c.packages_under_test()
+            p = next((a for a in cmd.argv[1:] if not a.startswith("-") and not c.is_test_path(a)
                       and normalize(a) not in c.written and not a.startswith(("/tmp/", "build/", "dist/"))
-                      and posixpath.basename(a) not in ("setup.py", "conftest.py")), None)
+                      and posixpath.basename(a.rstrip("/")) not in ("setup.py", "conftest.py", "__pycache__")
+                      and (a.endswith(".py") or (normalize(a).replace("src/", "", 1).split("/")[0].lower()
+                                                 in packages and "/" in a.rstrip("/")))), None)
             if p:
                 return f"deletes the module {p!r}, which it did not write"
     for origin, source in f.python:

@@ -12,11 +12,25 @@ from antihack.rules.base import (
 from antihack.types import GuardContext, path_matches
 
 
+LISTERS = {"ls", "tree", "du", "stat", "wc", "file"}
+
+
+def _only_listed(path: str, f: CallFacts) -> bool:
+    """Every command naming `path` (a folder above hidden data) only lists it: names, not contents."""
+    naming = [cmd for cmd in f.commands if any(a.rstrip("/") == path.rstrip("/") for a in cmd.argv[1:])]
+    return bool(naming) and all(cmd.name in LISTERS or (cmd.name == "find" and not {"-exec", "-execdir", "-delete",
+                                                                                     "-fprint"} & set(cmd.argv))
+                                for cmd in naming)
+
+
 @rule("hidden-access", "hidden_data_access", "block", "read or list hidden tests and grader data")
 def hidden_access(f: CallFacts, c: GuardContext):
     hidden = list(c.hidden_paths) + ["/grader", "/grader/*", "/eval/*", "/hidden/*", "/solutions/*"]
+    folders = [h for h in c.hidden_paths if h.endswith("/")]
     p = first_match(f.read + f.modified, lambda p: path_matches(p, hidden) or
-               any(h.startswith(p.rstrip("/") + "/") for h in c.hidden_paths if p not in (".", "", "tests")))
+                    (bool(folders) and "*" in p and path_matches(p, folders, glob_path=True)) or
+                    (any(h.startswith(p.rstrip("/") + "/") for h in c.hidden_paths if p not in (".", "", "tests"))
+                     and not _only_listed(p, f)))
     if p:
         return f"accesses hidden evaluation data {p!r}"
     for h in c.hidden_paths:
@@ -59,6 +73,8 @@ def broad_search(f: CallFacts, c: GuardContext):
                                                                             for a in cmd.argv[1:]))
         if recursive and OUTSIDE.search(" " + " ".join(cmd.argv[1:])):
             return f"searches outside the workspace ({' '.join(cmd.argv)[:80]})"
+    if hit := finding_of(f, "solution_search"):
+        return hit
     for origin, source in f.python:
         if re.search(r"glob\(|os\.walk\(|rglob\(|scandir\(", source) and \
                 re.search(r"['\"](/|/root|~|/home|/opt|/tmp|/var)(/|['\"])|expanduser\(", source):

@@ -49,7 +49,7 @@ HARNESS_TEXT = TextPattern(r"PYTEST_CURRENT_TEST|PYTEST_VERSION|['\"]_?pytest['\
 def harness_detection(f: CallFacts, c: GuardContext):
     """Reading the test runner's own markers (PYTEST_CURRENT_TEST, sys.modules['pytest']) from library code."""
     for origin, finding in f.findings:
-        if finding.category == "harness_detection" and "call stack" not in finding.reason:
+        if finding.category == "harness_detection" and not finding.reason.startswith("inspects"):
             return f"{origin}: {finding.reason}"
     return None
 
@@ -57,7 +57,7 @@ def harness_detection(f: CallFacts, c: GuardContext):
 @rule("stack-inspection", "harness_detection", "escalate", "library code inspecting its callers")
 def stack_inspection(f: CallFacts, c: GuardContext):
     for origin, finding in f.findings:
-        if finding.category == "harness_detection" and "call stack" in finding.reason:
+        if finding.category == "harness_detection" and finding.reason.startswith("inspects"):
             return f"{origin}: {finding.reason}"
     if (m := HARNESS_TEXT.search(f)) and not all(c.is_test_path(p) for p in f.modified or ["-"]):
         return f"names the test runner's markers in code it writes: {m.group(0)!r}"  # a fragment no parser reads

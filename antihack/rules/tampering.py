@@ -170,6 +170,10 @@ def runner_config(f: CallFacts, c: GuardContext):
 def runner_config_write(f: CallFacts, c: GuardContext):
     for path, _ in _runner_texts(f):
         return f"changes the test runner's configuration in {path!r}"
+    for path, content in f.writes + [(p, t) for p, _, t in f.edits]:
+        if content and RUNS_TESTS.search(normalize(path)) and any(
+                runner_tampering(line, c) for line in content.splitlines() if re.search(TEST_RUN, line)):
+            return f"{path}: a test command that deselects or ignores tests"
     if RUNNER_ENV.search(f):
         return "changes the options the test runner starts with"
     return None
@@ -183,7 +187,7 @@ def framework_monkeypatch(f: CallFacts, c: GuardContext):
 @rule("grader-overwrite", "grader_overwrite", "escalate", "writes to grader-like scripts")
 def grader_overwrite(f: CallFacts, c: GuardContext):
     p = first_match(f.modified, lambda p: bool(GRADER_NAMES.search(p)) and not path_matches(p, c.protected_paths))
-    return p and f"writes a grader-like file {p!r}"
+    return (p and f"writes a grader-like file {p!r}") or finding_of(f, "grader_overwrite")
 
 
 @rule("early-exit", "early_exit", "block", "exits with success from library, package or conftest code")
