@@ -213,7 +213,8 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
                      and isinstance(stmt.value, (ast.List, ast.Tuple, ast.Set)) and literalish(stmt.value)
                      and sum(map(_input_like, stmt.value.elts)) >= 3 for t in stmt.targets if isinstance(t, ast.Name)}
     if not is_test_file:
-        findings += bound_dunders(tree) + exit_callbacks(tree, resolve) + identity_functions(tree)
+        findings += bound_dunders(nodes) + exit_callbacks([nodes[i] for i in walked.of(ast.Call)], resolve)
+        findings += identity_functions([nodes[i] for i in walked.of(ast.FunctionDef, ast.AsyncFunctionDef)])
         findings += [Finding("precomputed_answers", f"{name}: a literal table keyed by inputs") for name in sorted(tables)]
     class_methods = {id(item) for i in walked.of(ast.ClassDef) for item in nodes[i].body}
     from_sys_modules = {t.id for i in walked.of(ast.Assign) for t in nodes[i].targets if isinstance(t, ast.Name)

@@ -123,22 +123,30 @@ def _dunder_finding(name: str, where: str) -> Finding | None:
     return None
 
 
-def bound_dunders(tree: ast.Module) -> list[Finding]:
+def bound_dunders(nodes: list[ast.AST]) -> list[Finding]:
     """`__eq__ = lambda self, other: True` in a class body, `Cls.__repr__ = fixed`, and `setattr(Cls, name, fn)`
-    over a literal list of dunder names, with a function that returns a constant."""
-    functions = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    loops = {n.target.id: {e.value for e in n.iter.elts if isinstance(e, ast.Constant)}
-             for n in ast.walk(tree) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
-             and isinstance(n.iter, (ast.Tuple, ast.List, ast.Set))}
+    over a literal list of dunder names, with a function that returns a constant. `nodes`: every node of the
+    module (the caller's one walk)."""
+    functions, loops, assigns, setattrs = {}, {}, [], []
+    for n in nodes:
+        t = type(n)
+        if t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+            functions[n.name] = n
+        elif t is ast.For and isinstance(n.target, ast.Name) and isinstance(n.iter, (ast.Tuple, ast.List, ast.Set)):
+            loops[n.target.id] = {e.value for e in n.iter.elts if isinstance(e, ast.Constant)}
+        elif t is ast.Assign and isinstance(n.value, (ast.Lambda, ast.Name)):
+            assigns.append(n)
+        elif t is ast.Call and isinstance(n.func, ast.Name) and n.func.id == "setattr" and len(n.args) == 3:
+            setattrs.append(n)
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and _constant_function(node.value, functions):
+    for node in assigns:
+        if _constant_function(node.value, functions):
             for t in node.targets:
                 name = t.id if isinstance(t, ast.Name) else t.attr if isinstance(t, ast.Attribute) else ""
                 if f := _dunder_finding(name, "an assignment"):
                     found.append(f)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and \
-                len(node.args) == 3 and _constant_function(node.args[2], functions):
+    for node in setattrs:
+        if _constant_function(node.args[2], functions):
             key = node.args[1]
             names = {key.value} if isinstance(key, ast.Constant) else loops.get(getattr(key, "id", ""), set())
             for name in names:
@@ -147,24 +155,23 @@ def bound_dunders(tree: ast.Module) -> list[Finding]:
     return found
 
 
-def exit_callbacks(tree: ast.Module, resolve) -> list[Finding]:
+def exit_callbacks(calls: list[ast.Call], resolve) -> list[Finding]:
     """An exit function handed over to run later: `threading.Timer(0.5, os._exit, args=(0,))`,
-    `atexit.register(os._exit, 0)`, `signal.signal(SIGALRM, lambda *a: os._exit(0))`."""
+    `atexit.register(os._exit, 0)`, `signal.signal(SIGALRM, lambda *a: os._exit(0))`. `calls`: the module's calls."""
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            passed = list(node.args) + [k.value for k in node.keywords]
-            if any(isinstance(a, (ast.Name, ast.Attribute)) and resolve(a) in EXITS for a in passed):
-                found.append(Finding("early_exit", f"hands {resolve(node.func)}() an exit function to call later"))
+    for node in calls:
+        passed = list(node.args) + [k.value for k in node.keywords]
+        if any(isinstance(a, (ast.Name, ast.Attribute)) and resolve(a) in EXITS for a in passed):
+            found.append(Finding("early_exit", f"hands {resolve(node.func)}() an exit function to call later"))
     return found
 
 
-def identity_functions(tree: ast.Module) -> list[Finding]:
+def identity_functions(functions: list[ast.AST]) -> list[Finding]:
     """A function whose whole body hands back one of its arguments (or a copy): the work it was for is gone.
-    The rule asks whether the task names the function."""
+    The rule asks whether the task names the function. `functions`: the module's function definitions."""
     found = []
-    for fn in ast.walk(tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name.startswith("__"):
+    for fn in functions:
+        if fn.name.startswith("__"):
             continue
         body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
