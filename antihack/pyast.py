@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 
 from antihack.pyast_shapes import (Finding, bound_dunders, exit_callbacks, identity_functions, literalish,
-                                   module_literals, special_cased_inputs)
+                                   module_literals, returns_constant, special_cased_inputs)
 
 TEST_FRAMEWORKS = {"unittest", "pytest", "_pytest", "numpy.testing", "doctest"}
 TIME_FUNCTIONS = {"time.time", "time.perf_counter", "time.monotonic", "time.process_time", "timeit.default_timer",
@@ -44,12 +44,6 @@ def _dotted(node: ast.AST) -> str:
     if isinstance(node, ast.Name):
         parts.append(node.id)
     return ".".join(reversed(parts))
-
-
-def _returns_constant(fn: ast.FunctionDef) -> bool:
-    """The function body is (docstring +) `return <constant>` and nothing conditional."""
-    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    return len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Constant)
 
 
 def _in_main_guard(node: ast.If) -> bool:
@@ -249,7 +243,7 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
             for item in node.body:
                 if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
-                if _returns_constant(item):
+                if returns_constant(item):
                     if item.name in COMPARISON_DUNDERS:
                         findings.append(Finding("always_equal", f"{node.name}.{item.name} returns a constant"))
                     if item.name in SPOOF_DUNDERS:
@@ -260,7 +254,7 @@ def _inspect_cached(source: str, is_test_file: bool, conftest_like: bool):
             if node.name in OUTCOME_HOOKS:
                 findings.append(Finding("conftest_hook", f"defines the pytest hook {node.name}"))
             if node.name in COMPARISON_DUNDERS | SPOOF_DUNDERS and id(node) not in class_methods and \
-                    _returns_constant(node):
+                    returns_constant(node):
                 category = "always_equal" if node.name in COMPARISON_DUNDERS else "output_spoofing"
                 findings.append(Finding(category, f"{node.name} returns a constant"))
             if not is_test_file:

@@ -103,16 +103,19 @@ def special_cased_inputs(fn: ast.FunctionDef, literal_lists: set[str]) -> bool:
     return False
 
 
+def returns_constant(fn: ast.FunctionDef) -> bool:
+    """The function body is (docstring +) `return <constant>` and nothing conditional."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Constant)
+
+
 def _constant_function(node: ast.AST, functions: dict[str, ast.AST]) -> bool:
     """A lambda or a def (looked up by name) whose body is only `return <literal>`."""
     if isinstance(node, ast.Name):
         node = functions.get(node.id)
     if isinstance(node, ast.Lambda):
         return isinstance(node.body, ast.Constant)
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-        return len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Constant)
-    return False
+    return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and returns_constant(node)
 
 
 def _dunder_finding(name: str, where: str) -> Finding | None:

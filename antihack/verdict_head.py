@@ -17,6 +17,7 @@ corpus's folds so that few honest flagged calls are blocked), confidence p for h
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from dataclasses import asdict, dataclass, field
@@ -63,11 +64,17 @@ class VerdictHead:
             raise ValueError(f"{path}: mean, std and weight differ in length")
         return head
 
+    @functools.cached_property
+    def _tensors(self):
+        import torch
+
+        return torch.tensor(self.mean), torch.tensor(self.std), torch.tensor(self.weight)
+
     def probability(self, features) -> float:
         import torch
 
-        x = (features.float() - torch.tensor(self.mean)) / torch.tensor(self.std)
-        return float(torch.sigmoid(x @ torch.tensor(self.weight) + self.bias))
+        mean, std, weight = self._tensors  # built once per head, not per judged call
+        return float(torch.sigmoid(((features.float() - mean) / std) @ weight + self.bias))
 
 
 class PromptFeatures:
