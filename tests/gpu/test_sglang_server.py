@@ -396,7 +396,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 def test_indexer_selection_against_the_real_server(tmp_path):
     """How often SGLang's DSA top-k for a token differs from our trainer's on the same weights and tokens, past the
-    2,048 keys where selection begins (docs/BENCHMARKS.md). Ours in bf16 and in fp32 against SGLang's and against
+    2,048 keys where selection begins (docs/BENCHMARKS.md), once SGLang's KV-pool slots are read as positions. Ours in bf16 and in fp32 against SGLang's and against
     each other separates what precision explains from what the implementations do differently; the overlap
     that chance alone gives (`chance_overlap`) is reported beside them, as it is high this close to the top-k.
     Asserts only the capture's shape: the figures are measured, not assumed. Run it alone with -k indexer: it
@@ -408,7 +408,9 @@ def test_indexer_selection_against_the_real_server(tmp_path):
 
     folder = tmp_path / "indexer"
     _write_checkpoint(folder, 0)
-    args = {**SERVER_ARGS, "enable-return-routed-experts": False, "enable-return-indexer-topk": True}
+    # one prefill: no CUDA graphs to capture (that is most of a cold start)
+    args = {**SERVER_ARGS, "enable-return-routed-experts": False, "enable-return-indexer-topk": True,
+            "disable-cuda-graph": True}
     server = SGLangServer(str(folder), args, env=_server_env(), name="sglang-indexer", log_dir=str(tmp_path),
                           startup_timeout_s=540)
     server.start()
@@ -429,6 +431,10 @@ def test_indexer_selection_against_the_real_server(tmp_path):
     finally:
         server.stop()
     theirs = torch.from_numpy(result.meta["indexer_topk"].astype("int64"))  # [positions, layers, 2048]
+    # The capture holds slots of SGLang's KV pool, not positions (docs/BENCHMARKS.md): a lone request's tokens sit
+    # at position + the reserved first page. A dense position p lists all its p + 1 keys, so the least is the offset.
+    offset = int(theirs[1, 0][theirs[1, 0] >= 0].min())
+    theirs = torch.where(theirs >= 0, theirs - offset, theirs)
     ours = {}
     for dtype in ("bfloat16", "float32"):
         model = load_model(str(folder), "policy", dtype=dtype, device="cuda").eval()
@@ -457,12 +463,18 @@ def test_indexer_selection_against_the_real_server(tmp_path):
     # selections of 2,048 keys drawn at random from a position's p + 1 causal keys would share 2048 / (p + 1)
     chance = float(torch.tensor([2048 / (p + 1) for p in range(2048, len(prompt))]).mean())
     REPORT["indexer_agreement"] = {"positions": len(prompt) - 2048, "capture_layers": int(theirs.shape[1]),
+                                   "slot_offset": offset,
                                    "chance_overlap": chance, "layers": figures}
     print(json.dumps(REPORT["indexer_agreement"], indent=1))
     if os.environ.get("RL_GPU_REPORT"):
         report = Path(os.environ["RL_GPU_REPORT"])
         report.write_text(json.dumps(REPORT, indent=1))
-        torch.save({"prompt": prompt, "sglang": theirs[sparse].to(torch.int16), "full_layers": full,
-                    "ours_bf16": {i: t[sparse].to(torch.int16) for i, t in ours["bfloat16"].items()}},
+        near = slice(2040, len(prompt))  # the sparse positions and the last few dense ones (what they list)
+        torch.save({"prompt": prompt, "positions": [near.start, near.stop], "sglang": theirs[near].to(torch.int16),
+                    "sglang_first": theirs[:4].to(torch.int16), "full_layers": full,
+                    "ours_bf16": {i: t[near].to(torch.int16) for i, t in ours["bfloat16"].items()},
+                    "ours_fp32": {i: t[near].to(torch.int16) for i, t in ours["float32"].items()}},
                    report.with_suffix(".pt"))  # for the analysis of what differs (docs/BENCHMARKS.md)
     assert theirs.shape[0] == len(prompt) and all(len(v) == 3 for v in figures.values())
+    # measured 2026-12-03: 99.1-99.6% of keys shared (precision at the 2,048th place); far below means a bug
+    assert all(v["sglang_vs_ours_bf16"][0] > 0.97 for v in figures.values()), figures
