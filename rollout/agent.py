@@ -28,7 +28,6 @@ from rollout.ledger import TokenLedger
 from rollout.tool_parsers import ToolCallParser, last_python_block
 from rollout.types import SamplingParams, Trajectory
 
-_FILES_IN_PROMPT_CHARS = 3000  # starting files small enough are shown in the task message
 MIN_TURN_TOKENS = 16  # a turn with less room than this cannot say anything useful
 
 
@@ -91,11 +90,11 @@ def system_prompt(rt: EpisodeRuntime) -> str:
     return text
 
 
-def task_message(task: Task) -> str:
-    """The statement, the starting source files when they are short, and where the visible tests are (their
-    text is left out: small models copy test code instead of solving the task)."""
+def task_message(task: Task, files_in_prompt_chars: int = 3000) -> str:
+    """The statement, the starting source files when they are short (`agent.files_in_prompt_chars`), and where
+    the visible tests are (their text is left out: small models copy test code instead of solving the task)."""
     text = f"Task: {task.statement}\n\nThe main file is {task.entry_file}."
-    if sum(len(f.content) for f in task.files) <= _FILES_IN_PROMPT_CHARS:
+    if files_in_prompt_chars > 0 and sum(len(f.content) for f in task.files) <= files_in_prompt_chars:
         for f in task.files:
             text += f"\n\n{f.path}:\n```python\n{f.content.rstrip()}\n```"
     else:
@@ -112,7 +111,7 @@ class AgentEpisode:
         self.sampling = sampling.replace(stop_token_ids=tuple(sampling.stop_token_ids) + stops)
         self.rollout_id = rollout_id or uuid.uuid4().hex[:12]
         self.system = Message("system", system_prompt(rt))
-        self.task_msg = Message("user", task_message(task))
+        self.task_msg = Message("user", task_message(task, rt.config.files_in_prompt_chars))
         self.history: list[Message] = [self.system, self.task_msg]  # the current context, as messages
         self.ledger = TokenLedger()
         self.traj = Trajectory(self.rollout_id, task.id, [], domain=task.domain)

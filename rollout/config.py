@@ -119,6 +119,10 @@ class AgentConfig:
     # A reply without a tool call but with a ```python block is taken as the final answer: written to the task's
     # entry file and submitted. Small policies write code blocks long before they learn tool syntax.
     code_block_answer: bool = True
+    # Starting source files whose text is at most this many characters in all are shown in the task message (a
+    # small function task needs no look around); longer ones, or all with 0, are listed by name only, so the
+    # agent reads what it needs (long-horizon repository tasks).
+    files_in_prompt_chars: int = 3000
     train_blocked_tokens: str = "keep"  # keep | mask: loss mask of a turn whose call the guard blocked
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
 
