@@ -89,7 +89,10 @@ def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: Al
     by_traj = _by_trajectory(samples)
     rows_v, rows_r, spans = [], [], []
     kl_total, kl_tokens = 0.0, 0
-    for ti, segs in by_traj.items():
+    # one GAE row per trajectory (its segments chained), or per segment (algorithm.chain_segments=false)
+    chains = [(ti, segs) for ti, segs in by_traj.items()] if algo.chain_segments else \
+        [(ti, [s]) for ti, segs in by_traj.items() for s in segs]
+    for ti, segs in chains:
         values, rewards, span = [], [], []
         for s in segs:
             idx = _actions(s)

@@ -33,6 +33,9 @@ class AlgorithmConfig:
     lam_critic: float = 1.0  # λ for value targets (decoupled GAE, §1.4.2)
     lam_policy: float = 1.0  # λ for advantages, unless lam_alpha > 0
     lam_alpha: float = 0.0  # > 0: length-adaptive λ_policy = 1 − 1/(α·ℓ)
+    # GAE over a trajectory's segments as one chain (values carried across compaction boundaries, §2.6); false:
+    # each segment is an episode of its own that ends with the trajectory's reward (the ablation baseline)
+    chain_segments: bool = True
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 3.0  # 0: off

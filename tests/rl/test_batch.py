@@ -70,3 +70,26 @@ def test_trainable_filters_and_boundary_drop():
     for s, v in zip(samples, values):
         s["values"] = v
     assert boundary_value_drop(samples) == pytest.approx(0.4 - 0.3)
+
+
+def test_per_segment_advantages_treat_each_segment_as_an_episode_ending_in_the_reward():
+    traj, values = build()
+    samples = to_samples([traj])
+    for s, v in zip(samples, values):
+        s["values"] = v
+    add_advantages(samples, [traj], AlgorithmConfig(gamma=0.95, lam_policy=0.8, lam_critic=1.0,
+                                                    normalize_advantages=False, chain_segments=False))
+    for s, seg_, v in zip(samples, traj.segments, values):  # the naive loop on the segment alone, R at its end
+        mask = torch.tensor([seg_.loss_mask])
+        vv = torch.tensor([v], dtype=torch.float64)
+        r = torch.zeros_like(vv)
+        r[0, max(i for i, m in enumerate(seg_.loss_mask) if m)] = 1.0
+        ref_adv, _ = gae_naive(r, vv, mask, 0.95, 0.8)
+        _, ref_ret = gae_naive(r, vv, mask, 0.95, 1.0)
+        assert s["advantages"].tolist() == pytest.approx(ref_adv[0].tolist(), abs=1e-6)
+        assert s["returns"].tolist() == pytest.approx(ref_ret[0].tolist(), abs=1e-6)
+    chained = to_samples([traj])
+    for s, v in zip(chained, values):
+        s["values"] = v
+    add_advantages(chained, [traj], AlgorithmConfig(gamma=0.95, lam_policy=0.8, normalize_advantages=False))
+    assert chained[0]["advantages"].tolist() != pytest.approx(samples[0]["advantages"].tolist(), abs=1e-3)
