@@ -206,6 +206,46 @@ class ActorWorker(DeepSpeedWorker):
 
         return accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches])
 
+    def sft_step(self, samples: list[dict] | TokenBatch, mini_batches: int = 1, seed: int = 0) -> dict:
+        """Supervised fine-tuning on episodes the agent loop rendered (rl/sft.py): the loss of each of
+        `mini_batches` optimiser steps is the token-mean negative log-likelihood of its loss-mask tokens over all
+        ranks, −Σ mask·log π(x_t | x_<t) / Σ mask, at temperature 1 (the plain model). The mask is 1 on exactly
+        the policy's own tokens (its replies and compaction summaries), so prompts and observations are context."""
+        started = time.perf_counter()
+        batch = as_token_batch(samples, ("loss_mask",))
+        self.module.train()
+        nll, tokens, grad_norms = [], 0.0, []
+        for _, group, denom in self.ppo_steps(batch, mini_batches, 1, seed):
+            step_sum = [0.0]
+
+            def micro_loss(mb):
+                def compute():
+                    t = mb.tensors
+                    if mb.padding:  # keeps this rank's collectives in step with the others; contributes nothing
+                        logp, _ = policy_logprobs(self.module, t["input_ids"], t["attention_mask"],
+                                                  position_ids=mb.position_ids, sequence=mb.sequence,
+                                                  head_calls=self.head_calls(mb, t["attention_mask"]))
+                        return logp.sum() * 0.0
+                    mask = self.owned(mb, t["loss_mask"])
+                    logp, _ = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], only=mask,
+                                              position_ids=mb.position_ids, sequence=mb.sequence,
+                                              head_calls=self.head_calls(mb, t["loss_mask"]))
+                    loss = -masked_sum(logp, mask) / denom
+                    step_sum[0] += float(loss.detach())
+                    return loss * self.loss_scale
+                return compute
+
+            grad_norms.append(accumulate_and_step(self.engine, [micro_loss(mb) for mb in self.micro_batches(
+                group, ("loss_mask",))]))
+            nll.append(step_sum[0])
+            tokens += denom
+        release_memory()
+        nll = self.all_reduce(nll)  # each rank's share of every step's token-mean: summed, the whole
+        elapsed = time.perf_counter() - started
+        return {"sft/loss": sum(nll) / len(nll), "sft/grad_norm": sum(grad_norms) / len(grad_norms),
+                "sft/optim_steps": len(nll), "sft/tokens": tokens, "perf/sft_s": elapsed,
+                "perf/sft_tokens_per_s": self.shard_total(batch.num_tokens) / max(elapsed, 1e-9)}
+
     def weight_buckets(self, bucket_mb: int, on_device: bool = False) -> WeightBuckets:
         """The policy's parameters in buckets of about `bucket_mb` MB, in a fixed order, gathered one bucket at a
         time (every rank walks them; rank 0 keeps them)."""

@@ -19,7 +19,7 @@ from critic.worker import CriticWorker
 from environments import Task
 from models.deepspeed_worker import OptimConfig
 from rl.actor import ActorWorker
-from rl.config import Config
+from rl.config import AlgorithmConfig, Config
 from rl.group import TrainerGroup
 from rl.weight_sync import WeightSync, make_weight_sync
 from rollout.config import EngineConfig, SGLangConfig
@@ -76,29 +76,41 @@ def sglang_config(engine: EngineConfig) -> SGLangConfig:
     return sglang
 
 
+def _optim(t) -> dict:
+    """The optimiser and parallelism settings the actor and the critic share (trainer.*)."""
+    return dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
+                micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing,
+                pack_micro_batches=t.pack_micro_batches, offload_optimizer=t.offload_optimizer,
+                offload_params=t.offload_params, sequence_parallel=t.sequence_parallel)
+
+
+def actor_group(cfg: Config, policy: str, learning_rate: float | None = None,
+                algorithm: AlgorithmConfig | None = None) -> TrainerGroup:
+    """The policy's trainer group (trainer.actor_ranks DeepSpeed ranks on a placement group); rl.sft makes one
+    with its own learning rate and no reference."""
+    t = cfg.trainer
+    optim = OptimConfig(learning_rate=t.learning_rate if learning_rate is None else learning_rate,
+                        expert_parallel=t.expert_parallel, **_optim(t))
+    return TrainerGroup(ActorWorker, t.actor_ranks, t.actor_gpus, "actor", policy, optim,
+                        cfg.algorithm if algorithm is None else algorithm, temperature=cfg.engine.temperature,
+                        dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=t.torch_threads or 0,
+                        sequence_parallel=t.sequence_parallel)
+
+
 def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Workers:
     t = cfg.trainer
     fleet = None
     if cfg.engine.type == "sglang":  # first: the servers take minutes to load, and their GPUs come first
         fleet = SGLangFleet(sglang_config(cfg.engine), policy, log_dir=f"{run_dir}/sglang" if run_dir else None)
         fleet.start()
-    threads = t.torch_threads or 0
-    common = dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
-                  micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing,
-                  pack_micro_batches=t.pack_micro_batches, offload_optimizer=t.offload_optimizer,
-                  offload_params=t.offload_params, sequence_parallel=t.sequence_parallel)
-    actor = TrainerGroup(ActorWorker, t.actor_ranks, t.actor_gpus, "actor",
-                         policy, OptimConfig(learning_rate=t.learning_rate, expert_parallel=t.expert_parallel,
-                                             **common), cfg.algorithm,
-                         temperature=cfg.engine.temperature, dtype=cfg.model.dtype, seed=cfg.seed,
-                         torch_threads=threads, sequence_parallel=t.sequence_parallel)
+    actor = actor_group(cfg, policy)
     critic_worker = None
     if critic is not None:  # pure on-policy distillation trains no critic
         critic_worker = TrainerGroup(CriticWorker, t.critic_ranks, t.critic_gpus, "critic",
                                      critic, OptimConfig(learning_rate=t.critic_learning_rate,
-                                                         expert_parallel=t.critic_expert_parallel, **common),
+                                                         expert_parallel=t.critic_expert_parallel, **_optim(t)),
                                      cfg.algorithm.value_clip or None, dtype=cfg.model.dtype, seed=cfg.seed + 1,
-                                     torch_threads=threads, sequence_parallel=t.sequence_parallel)
+                                     torch_threads=t.torch_threads or 0, sequence_parallel=t.sequence_parallel)
     rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,
                           max_concurrency=cfg.engine.max_concurrent_episodes + 8,
                           max_restarts=cfg.engine.max_worker_restarts, max_task_retries=0)(RolloutWorker).remote(

@@ -144,6 +144,11 @@ class TrainerGroup:
         return self._sharded("train_step", samples, self.train_fields, *args,
                              finish=lambda _, results: {**results[0], f"{self.role}/ranks": self.ranks})
 
+    def sft_step(self, samples: list[dict], *args) -> "Pending":
+        """Supervised steps on rendered episodes (ActorWorker.sft_step); `.result()`: rank 0's metrics."""
+        return self._sharded("sft_step", samples, ("loss_mask",), *args,
+                             finish=lambda _, results: {**results[0], f"{self.role}/ranks": self.ranks})
+
     def compute_logprobs(self, samples: list[dict], with_old: bool = True) -> "Pending":
         """π_old (unless not `with_old`) and π_ref per sample; `.result()`: {name: one 1-D tensor per sample, in
         the caller's order}."""

@@ -67,6 +67,10 @@ def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, ou
         worker = ActorWorker(path, optim, algo, temperature=1.0, torch_threads=1,
                              dist=dist)
         metrics = worker.train_step(mine)
+    elif role == "sft":  # rl.sft's supervised step: the token-mean NLL of the masked tokens over all ranks
+        worker = ActorWorker(path, optim, AlgorithmConfig(use_reference=False), torch_threads=1, dist=dist)
+        metrics = worker.sft_step(mine)
+        metrics.update({"actor/loss": metrics["sft/loss"], "actor/grad_norm": metrics["sft/grad_norm"]})
     else:
         worker = CriticWorker(path, optim, value_clip=0.2, torch_threads=1, dist=dist)
         metrics = worker.train_step(mine)
@@ -105,7 +109,9 @@ def test_shards_balance_tokens():
     ("actor", "glm52-tiny", 2, 0, 1, 2), ("critic", "glm52-tiny", 2, 3, 1, 2),
     ("actor-replay", "glm52-tiny", 4, 2, 2, 2),
     # a chunk with nothing to predict, and a padding micro-batch, under ZeRO-3 (the LM head's calls stay in step)
-    ("actor-late", "glm52-tiny", 4, 3, 1, 2)])
+    ("actor-late", "glm52-tiny", 4, 3, 1, 2),
+    # the supervised cold start (rl.sft) on the same ranks, ZeRO-3
+    ("sft", "tiny-random", 2, 3, 1, 1)])
 def test_n_ranks_equal_one_rank(role, model, world, zero, ep, sp, tmp_path):
     # The reference is one rank without ZeRO (plain DDP-free training), so a fault of a ZeRO stage itself shows
     # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
@@ -119,7 +125,7 @@ def test_n_ranks_equal_one_rank(role, model, world, zero, ep, sp, tmp_path):
     if role == "critic":
         for key in ("critic/explained_variance", "critic/value_mean", "critic/value_clipfrac"):
             assert many["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
-    else:
+    elif role != "sft":
         for key in ("actor/entropy", "mismatch/train_rollout_logprob_abs_diff"):
             assert many["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
     if role == "actor-replay":  # the workers replayed: their π_old is μ, which their own routing is not
