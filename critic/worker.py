@@ -9,7 +9,8 @@ import torch
 from critic.losses import explained_variance_from_sums, masked_sum, value_loss
 from models import load_model, to_dtype, token_values
 from models.batching import TokenBatch, as_token_batch, unbatch
-from models.deepspeed_worker import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
+from models.deepspeed_worker import (DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, expert_shard,
+                                     release_memory)
 
 
 class CriticWorker(DeepSpeedWorker):
@@ -20,7 +21,7 @@ class CriticWorker(DeepSpeedWorker):
                  dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None):
         self.model_path = model_path
         self.value_clip = value_clip
-        model = load_model(model_path, role="value", dtype=dtype)
+        model = load_model(model_path, role="value", dtype=dtype, expert_shard=expert_shard(dist, optim))
         super().__init__(model, optim, to_dtype(dtype), seed, torch_threads, dist, tokenizer_source=model_path)
 
     @torch.no_grad()

@@ -55,6 +55,15 @@ class DistEnv:
     master_port: int = 0
 
 
+def expert_shard(dist: DistEnv | None, optim: "OptimConfig") -> tuple[int, int] | None:
+    """(this rank's place in its expert-parallel group, E) for a sharded load, or None without expert parallelism.
+    The groups are E consecutive ranks (DeepSpeed's `_create_expert_and_data_parallel`); `shard_experts` checks
+    that the experts loaded are the ones the group gives the rank."""
+    if optim.expert_parallel <= 1:
+        return None
+    return ((dist.rank if dist else 0) % optim.expert_parallel, optim.expert_parallel)
+
+
 def init_distributed(env: DistEnv | None = None) -> str:
     """Set the torch.distributed rendezvous variables and initialise DeepSpeed's comm; returns the backend."""
     import deepspeed

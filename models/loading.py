@@ -33,6 +33,7 @@ def load_model(
     role: Literal["policy", "value"] = "policy",
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    expert_shard: tuple[int, int] | None = None,
 ) -> nn.Module:
     """Load a policy (causal LM) or a critic (same backbone + a scalar value head).
 
@@ -43,6 +44,8 @@ def load_model(
     transformers as it is. A folder whose config.json says `model_type: glm_moe_dsa` (GLM-5.x, e.g. the built-in
     `glm52-tiny[:seed]`) loads our implementation instead (`models.glm5`: `Glm5ForCausalLM` / `Glm5ForValue`),
     which keeps the same interface (get_decoder, get_output_embeddings, save_pretrained, `.logits`).
+    `expert_shard=(r, E)` (GLM-5.x only): load only the routed experts expert-parallel rank r of E holds
+    (`models.glm5.checkpoint.load_checkpoint`); other models have no routed experts to split and ignore it.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -53,7 +56,7 @@ def load_model(
 
         if role not in ("policy", "value"):
             raise ValueError(f"role must be 'policy' or 'value', got {role!r}")
-        return load_hf(path, role=role, dtype=torch_dtype, device=device)
+        return load_hf(path, role=role, dtype=torch_dtype, device=device, expert_shard=expert_shard)
     if role == "policy":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     elif role == "value":

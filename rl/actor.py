@@ -10,7 +10,8 @@ import torch
 from critic.losses import masked_sum
 from models import load_model, policy_logprobs, to_dtype
 from models.batching import TokenBatch, as_token_batch, unbatch
-from models.deepspeed_worker import DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, release_memory
+from models.deepspeed_worker import (DeepSpeedWorker, DistEnv, OptimConfig, accumulate_and_step, expert_shard,
+                                     release_memory)
 from models.weight_stream import WeightBuckets
 from rl.config import AlgorithmConfig
 from rl.losses import kl_estimate, ppo_policy_loss, rollout_correction
@@ -54,12 +55,13 @@ class ActorWorker(DeepSpeedWorker):
         self.algo = algo
         # The engine sampled from softmax(logits / T); π_old and π_θ must be the same function (greedy: T = 1).
         self.temperature = temperature if temperature > 0 else 1.0
-        super().__init__(load_model(model_path, "policy", dtype=dtype), optim, to_dtype(dtype), seed,
-                         torch_threads, dist, tokenizer_source=model_path)
+        super().__init__(load_model(model_path, "policy", dtype=dtype, expert_shard=expert_shard(dist, optim)),
+                         optim, to_dtype(dtype), seed, torch_threads, dist, tokenizer_source=model_path)
         self.reference = None
         if needs_reference(algo):
             # on the host first: under expert parallelism only this rank's experts then go to the device
-            self.reference = self.shard_experts(load_model(model_path, "policy", dtype=dtype))
+            self.reference = self.shard_experts(load_model(model_path, "policy", dtype=dtype,
+                                                           expert_shard=expert_shard(dist, optim)))
             self.reference.to(self.device).eval()
             self.reference.requires_grad_(False)
 

@@ -158,15 +158,33 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
 
 
+_ROUTED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.")
+
+
+class AbsentExpert(nn.Module):
+    """Stands in for a routed expert another rank holds (a sharded load): no parameters, never run. Expert
+    parallelism (`expert_parallel.shard_experts`) then keeps only the rank's own experts."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this routed expert lives on another expert-parallel rank (the model was loaded "
+                           "sharded: shard its experts before running it)")
+
+
 def load_checkpoint(cls: type[nn.Module], folder: str | Path, dtype: torch.dtype | str = torch.float32,
-                    device: str | torch.device = "cpu", strict: bool = True, **config_overrides) -> nn.Module:
+                    device: str | torch.device = "cpu", strict: bool = True,
+                    expert_shard: tuple[int, int] | None = None, **config_overrides) -> nn.Module:
     """A `cls` (our policy or critic class; its `role` says which) from an HF-format GLM-5.x folder.
 
     A critic built from a policy checkpoint drops lm_head and MTP and gets a zero value head; a policy from a
     checkpoint without the MTP layer (transformers drops it on save) gets a freshly initialised one (logged).
     Anything else missing or unexpected is an error unless strict=False. `config_overrides` set config fields,
     e.g. latent_norm_eps=1e-5 for SGLang parity. The class is passed in so that this module never imports the
-    model module (which imports this one for `save_pretrained` / `from_pretrained`)."""
+    model module (which imports this one for `save_pretrained` / `from_pretrained`).
+
+    `expert_shard=(r, E)`: read only the routed experts rank r of an expert-parallel group of E holds (experts
+    [r·n/E, (r+1)·n/E) of every MoE layer); the others are never read nor allocated and stand as `AbsentExpert`
+    until `shard_experts` drops them. At GLM-5.2's size that is what lets a rank load at all: its routed experts
+    are 97% of the 744B parameters."""
     from safetensors import safe_open
 
     from models.dtypes import to_dtype
@@ -183,6 +201,18 @@ def load_checkpoint(cls: type[nn.Module], folder: str | Path, dtype: torch.dtype
         model = cls(config, init=False)
     config.architectures = [CRITIC_ARCH if role == "value" else POLICY_ARCH]
     expected = model.state_dict(keep_vars=True)
+    absent: set[str] = set()  # the routed experts (module paths) another rank loads
+    if expert_shard is not None:
+        rank, size = expert_shard
+        n_local = config.n_routed_experts // size
+        if size < 1 or config.n_routed_experts % size or not 0 <= rank < size:
+            raise ValueError(f"expert_shard={expert_shard}: {config.n_routed_experts} routed experts cannot be "
+                             f"split {size} ways for rank {rank}")
+        for name in list(expected):
+            m = _ROUTED_EXPERT.match(name)
+            if m and not rank * n_local <= int(m.group(2)) < (rank + 1) * n_local:
+                absent.add(f"{m.group(1)}.{m.group(2)}")
+                del expected[name]
     files = checkpoint_files(folder)
     n = config.num_hidden_layers
     mtp_prefix = re.compile(r"model\.layers\.(\d+)\.")
@@ -195,7 +225,8 @@ def load_checkpoint(cls: type[nn.Module], folder: str | Path, dtype: torch.dtype
             return name.startswith("lm_head.") or bool(m and int(m.group(1)) >= n)
         return False
 
-    unexpected = [k for k in files if k not in expected and not ignorable(k)]
+    unexpected = [k for k in files if k not in expected and not ignorable(k)
+                  and not ((m := _ROUTED_EXPERT.match(k)) and f"{m.group(1)}.{m.group(2)}" in absent)]
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         if name in files:
@@ -227,5 +258,8 @@ def load_checkpoint(cls: type[nn.Module], folder: str | Path, dtype: torch.dtype
     for name in missing:
         want = torch.float32 if name.endswith("e_score_correction_bias") else dtype
         _set_tensor(model, name, _fresh_value(name, expected[name], config.initializer_range).to(want))
+    for path in absent:
+        owner, index = path.rsplit(".", 1)
+        model.get_submodule(owner)[int(index)] = AbsentExpert()
     model.config.use_cache = False
     return model.to(device)

@@ -35,6 +35,7 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 from torch import nn
 
+from models.glm5.checkpoint import AbsentExpert
 from models.glm5.moe import MoE, expert_outputs
 
 # Where DeepSpeed's checkpointing finds a MoE layer's local experts (engine._save_moe_checkpoint).
@@ -139,6 +140,9 @@ def shard_experts(model: nn.Module, ep_size: int) -> int:
             raise ValueError(f"expert_parallel={ep_size} must divide n_routed_experts={m.n_experts}")
         n_local = m.n_experts // ep_size
         mine = list(m.experts[rank * n_local:(rank + 1) * n_local])
+        if any(isinstance(e, AbsentExpert) for e in mine):
+            raise ValueError(f"expert-parallel rank {rank} of {ep_size} was loaded with another rank's experts "
+                             "(load_model's expert_shard must follow the expert group's ranks)")
         m.experts = ExpertShard(mine, m.n_experts, ep_size)
         m.expert_parallel = True
     return len(layers)

@@ -232,8 +232,10 @@ class _Glm5Base(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype | str = torch.float32,
-                        device: str | torch.device = "cpu", strict: bool = True, **config_overrides):
-        return load_checkpoint(cls, folder, dtype=dtype, device=device, strict=strict, **config_overrides)
+                        device: str | torch.device = "cpu", strict: bool = True,
+                        expert_shard: tuple[int, int] | None = None, **config_overrides):
+        return load_checkpoint(cls, folder, dtype=dtype, device=device, strict=strict, expert_shard=expert_shard,
+                               **config_overrides)
 
 
 class Glm5ForCausalLM(_Glm5Base):
@@ -334,10 +336,12 @@ class Glm5ForValue(_Glm5Base):
 
 
 def load_hf(folder: str | Path, role: str = "policy", dtype: torch.dtype | str = torch.float32,
-            device: str | torch.device = "cpu", strict: bool = True, **config_overrides) -> _Glm5Base:
+            device: str | torch.device = "cpu", strict: bool = True, expert_shard: tuple[int, int] | None = None,
+            **config_overrides) -> _Glm5Base:
     """Our policy (role "policy") or critic (role "value") from an HF-format GLM-5.x folder
     (`checkpoint.load_checkpoint` says what is filled in and what is an error)."""
     classes = {"policy": Glm5ForCausalLM, "value": Glm5ForValue}
     if role not in classes:
         raise ValueError(f"role must be one of {sorted(classes)}, got {role!r}")
-    return classes[role].from_pretrained(folder, dtype=dtype, device=device, strict=strict, **config_overrides)
+    return classes[role].from_pretrained(folder, dtype=dtype, device=device, strict=strict,
+                                         expert_shard=expert_shard, **config_overrides)

@@ -169,3 +169,47 @@ def test_local_engine_serves_glm52_tiny():
             logits = reference(input_ids=ids).logits[0] / 0.8
         ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(-1, torch.tensor(res.output_ids)[:, None])
         assert torch.allclose(torch.tensor(res.output_logprobs), ref[:, 0], atol=1e-4)
+
+
+def test_a_sharded_load_reads_only_the_ranks_routed_experts(monkeypatch):
+    """expert_shard=(r, E): the experts of expert-parallel rank r are read and equal a full load; no other
+    routed expert is read from the files or allocated (what lets a GLM-5.2 rank load at all)."""
+    import safetensors
+
+    from models.glm5.checkpoint import AbsentExpert
+
+    full = load_model("glm52-tiny")
+    read = []
+    real_open = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.handle.get_tensor(name)
+
+        def __getattr__(self, attr):  # keys(), metadata(): the index, not the tensors
+            return getattr(self.handle, attr)
+
+    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    part = load_model("glm52-tiny", expert_shard=(1, 4))  # glm52-tiny: 8 routed experts a layer → 2 and 3
+    experts = {int(m.group(1)) for name in read if (m := re.search(r"\.experts\.(\d+)\.", name))}
+    assert experts == {2, 3} and read
+    whole, kept = full.state_dict(), part.state_dict()
+    assert all(torch.equal(whole[k], v) for k, v in kept.items())
+    assert set(whole) - set(kept) == {k for k in whole if (m := re.search(r"\.experts\.(\d+)\.", k))
+                                      and int(m.group(1)) not in (2, 3)}
+    layer = part.model.layers[2].mlp.experts
+    assert [isinstance(e, AbsentExpert) for e in layer] == [i not in (2, 3) for i in range(8)]
+    assert not list(layer[0].parameters())
+    with pytest.raises(ValueError, match="cannot be split 3 ways"):
+        load_model("glm52-tiny", expert_shard=(0, 3))
