@@ -45,6 +45,28 @@ def test_incremental_decode_equals_full_forward(model, cache_kind):
         assert (chunked - full).abs().max() < 2e-5
 
 
+def test_the_engines_indexer_selection_equals_the_trainers(model):
+    """Indexer consistency on the CPU (the LocalEngine's path against the trainer's): the DSA top-k of every full
+    layer, chosen while decoding token by token from the KV cache, is the set the trainer's whole-sequence forward
+    chooses for the same positions, exactly, past the 16 keys where selection begins. (Against SGLang on the GPU
+    the sets share 99.1-99.6% of keys: docs/BENCHMARKS.md.)"""
+    ids = ids_of(2, 64, seed=4)
+    with torch.no_grad():
+        whole = model(input_ids=ids, use_cache=False, return_routing=True).indexer_topk
+        cache = Glm5Cache()
+        steps = [model(input_ids=ids[:, :40], cache=cache, use_cache=True, return_routing=True).indexer_topk]
+        for i in range(40, 64):
+            steps.append(model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True,
+                               return_routing=True).indexer_topk)
+    assert sorted(whole) == [0, 1, 2, 6]  # IndexShare: the full layers
+    for layer, chosen in whole.items():
+        decoded = torch.cat([step[layer] for step in steps], 1)  # [B, 64, 16]
+        assert decoded.shape == chosen.shape
+        selected = chosen[:, 16:] >= 0
+        assert bool(selected.all())  # past the top-k, every slot holds a key
+        assert torch.equal(decoded[:, 16:].sort(-1).values, chosen[:, 16:].sort(-1).values), layer
+
+
 def test_left_padded_batch_decode_equals_unpadded(model):
     """What LocalEngine does: left padding, positions from the mask, DynamicCache(), logits_to_keep=1."""
     from transformers import DynamicCache
