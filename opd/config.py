@@ -25,6 +25,8 @@ class OPDConfig:
     kl_coef: float = 1.0  # λ_opd
     kl_clip: float = 10.0  # d_max: |d̂| is clipped to it (the fraction clipped is logged)
     eval_teachers: bool = True  # held-out pass rate of every teacher once, at the start (the target)
+    teacher_restarts: int = 3  # a teacher worker that dies is restarted by Ray this many times; its pending
+    # scores are asked again of the restarted worker (none lost, none twice: opd.distill.collect_scores)
 
 
 @dataclass

@@ -48,7 +48,8 @@ def spawn_teachers(cfg: DistillConfig, log_dir: str | None = None) -> dict[str, 
     """One Ray worker per teacher, all loading at once."""
     handles = {}
     for t in cfg.opd.teachers:
-        handles[t.name] = ray.remote(num_cpus=0, num_gpus=t.gpus)(TeacherWorker).remote(
+        handles[t.name] = ray.remote(num_cpus=0, num_gpus=t.gpus, max_restarts=cfg.opd.teacher_restarts,
+                                     max_task_retries=0)(TeacherWorker).remote(
             t.name, t.path, t.engine, temperature=cfg.engine.temperature, dtype=cfg.model.dtype,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens, torch_threads=cfg.trainer.torch_threads,
             sglang=sglang_settings(cfg.engine.sglang), log_dir=log_dir)
@@ -76,11 +77,44 @@ def rollout_and_score(workers: Workers, teachers: dict, owner: dict, tasks, seed
                 s["domain"] = traj.domain
             scoring.append((i, samples, teachers[owner[traj.domain].name].score.remote(samples)))
     rollout_end = time.perf_counter()
-    for _, samples, ref in scoring:
-        for s, lps in zip(samples, ray.get(ref)):
+    jobs = [(i, owner[trajs[i].domain].name, samples, ref) for i, samples, ref in scoring]
+    scores, rescored = collect_scores(teachers, jobs)
+    scoring = [(i, samples, ref) for i, samples, ref in scoring if i in scores]  # lost: left out, counted
+    for i, samples, _ in scoring:
+        for s, lps in zip(samples, scores[i]):
             s["teacher_logprobs"] = lps
     waited = time.perf_counter() - rollout_end
-    return trajs, scoring, waited
+    return trajs, scoring, waited, {"opd/teacher_rescored": rescored, "opd/unscored_dropped": len(jobs) - len(scores)}
+
+
+def collect_scores(teachers: dict, jobs: list[tuple[int, str, list[dict], ray.ObjectRef]],
+                   attempts: int = 10, first_wait_s: float = 0.5) -> tuple[dict[int, list], int]:
+    """Each job's teacher scores (job key → one tensor per sample). A teacher worker that died takes its queued
+    and running calls with it; Ray restarts it (`opd.teacher_restarts`) and the lost calls are asked again of the
+    restarted worker, waiting for it with exponential back-off (0.5 s doubling, ~8.5 min over 10 attempts: an
+    SGLang teacher restarts its server). A result that came back is never asked for again (none twice). A job
+    still without one after its attempts is left out of the batch (logged, counted), and so is every later job
+    of that teacher, without waiting again. Returns (scores, how many jobs were scored by a re-request)."""
+    lost = (ray.exceptions.RayActorError, getattr(ray.exceptions, "ActorUnavailableError", ray.exceptions.RayActorError))
+    out, rescored, gone = {}, 0, set()
+    for key, name, samples, ref in jobs:
+        asked_again = False
+        for attempt in range(attempts if name not in gone else 0):
+            try:
+                out[key] = ray.get(ref)
+                rescored += asked_again
+                break
+            except lost as exc:
+                if attempt == attempts - 1:
+                    log.error("teacher %s: trajectory %s left unscored after %d attempts (%s); the teacher's later "
+                              "trajectories are left out too", name, key, attempts, type(exc).__name__)
+                    gone.add(name)
+                    break
+                log.warning("teacher %s is down (%s); asking it again for trajectory %s", name,
+                            type(exc).__name__, key)
+                time.sleep(first_wait_s * 2 ** attempt)
+                ref, asked_again = teachers[name].score.remote(samples), True
+    return out, rescored
 
 
 def per_domain(trajs, prefix: str) -> dict:
@@ -93,16 +127,17 @@ def per_domain(trajs, prefix: str) -> dict:
 def distill_step(cfg: DistillConfig, workers: Workers, teachers: dict, owner: dict, sampler: TaskSampler, step: int,
                  audit) -> dict:
     timer = Timer()
-    trajs, scored, waited = rollout_and_score(workers, teachers, owner, sampler.next(cfg.trainer.episodes_per_step),
-                                              cfg.seed + step, f"step {step + 1}")
-    stats = ray.get([t.stats.remote() for t in teachers.values()])
+    trajs, scored, waited, faults = rollout_and_score(workers, teachers, owner,
+                                                      sampler.next(cfg.trainer.episodes_per_step), cfg.seed + step,
+                                                      f"step {step + 1}")
+    stats = ray.get([t.stats.remote() for t in teachers.values()])  # (a restarted teacher counts from its restart)
     busy = sum(s["busy_s"] for s in stats)
     scored_tokens = sum(s["tokens"] for s in stats)
     metrics = {**trajectory_metrics(trajs, "rollout"), **per_domain(trajs, "rollout"), **guard_metrics(workers),
                "perf/rollout_s": timer.lap(), "perf/teacher_scoring_s": busy, "perf/teacher_wait_s": waited,
                "perf/teacher_tokens_per_s": scored_tokens / busy if busy > 0 else 0.0,
                # the share of teacher scoring hidden behind the rollout (goal ≥ 0.8)
-               "perf/teacher_overlap": 1.0 - min(waited / busy, 1.0) if busy > 0 else 1.0}
+               "perf/teacher_overlap": 1.0 - min(waited / busy, 1.0) if busy > 0 else 1.0, **faults}
     write_audit(audit, step + 1, trajs)
     if not scored:
         log.warning("step %d: no trainable trajectory; no update", step + 1)
