@@ -103,7 +103,7 @@ def test_rl_sft_writes_a_policy_that_rl_train_can_start_from(tmp_path):
     tasks.write_text("".join(json.dumps(r) + "\n" for r in train + held))
     cmd = [sys.executable, "-m", "rl.sft", "+experiment=long_horizon", "model=tiny", f"env.tasks={tasks}",
            f"output_dir={tmp_path}", "sft.epochs=2", "sft.episodes_per_step=2", "sft.learning_rate=1e-3",
-           "trainer.eval_max_tasks=1", "logging.wandb_mode=disabled"]
+           "trainer.eval_max_tasks=1", "agent.max_episode_tokens=1200", "logging.wandb_mode=disabled"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "long_horizon_sft"
