@@ -52,6 +52,15 @@ def validate_opd(cfg: DistillConfig, task_domains: set[str]) -> dict[str, Teache
             problems.append(f"opd.teachers[{i}] needs name, path and domains (got {t})")
         if t.engine not in ("local", "sglang"):
             problems.append(f"opd.teachers[{i}].engine={t.engine!r}: must be one of ['local', 'sglang']")
+        # SGLang applies the sampling temperature to generated tokens' logprobs only: a prefill-only request's
+        # input logprobs are log softmax of the raw logits whatever the request's temperature (0.5.17's
+        # logprob_processor; tests/gpu/test_sglang_server.py checks it on the GPU). So an SGLang teacher scores at
+        # T = 1, and at any other rollout temperature its reverse KL against the student would mix temperatures.
+        if t.engine == "sglang" and cfg.engine.temperature not in (0, 1):
+            problems.append(f"opd.teachers[{i}] ({t.name}) is served by SGLang, which returns prompt logprobs at "
+                            f"temperature 1, but engine.temperature={cfg.engine.temperature}: roll out at "
+                            "engine.temperature=1 or make this teacher engine=local (which scales by the "
+                            "temperature)")
         for d in t.domains:
             if d in owner:
                 problems.append(f"domain {d!r} has two teachers: {owner[d].name} and {t.name}")

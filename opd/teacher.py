@@ -3,7 +3,9 @@
 `score(samples)` returns, for every sample, log π_T(token_t | tokens_<t) at the rollout temperature on the
 action tokens (0 elsewhere). A `local` teacher runs a torch forward in chunks (never full-vocabulary logits for
 the whole sequence at once); an `sglang` teacher starts its own SGLang server on the worker's GPUs and asks it
-for input-token logprobs (`max_new_tokens: 0`, `logprob_start_len: 0`), as slime's teacher servers do.
+for input-token logprobs (`max_new_tokens: 0`, `logprob_start_len: 0`), as slime's teacher servers do. SGLang
+returns those at temperature 1 whatever the request's temperature (opd.config.validate_opd refuses an SGLang
+teacher under another rollout temperature).
 """
 
 from __future__ import annotations

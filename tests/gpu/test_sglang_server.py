@@ -52,13 +52,13 @@ def _write_checkpoint(folder: Path, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def _our_logprobs(folder: Path, ids: list[int]) -> torch.Tensor:
-    """log p(ids[t] | ids[:t]) for t ≥ 1 from our implementation, fp32 on the GPU."""
+def _our_logprobs(folder: Path, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t ≥ 1 from our implementation (logits / temperature), fp32 on the GPU."""
     from models import load_model
 
     model = load_model(str(folder), "policy", dtype="float32", device="cuda").eval()
     with torch.no_grad():
-        logits = model(torch.tensor([ids], device="cuda")).logits[0, :-1].float()
+        logits = model(torch.tensor([ids], device="cuda")).logits[0, :-1].float() / temperature
     out = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
     del model
     torch.cuda.empty_cache()
@@ -216,6 +216,42 @@ def test_logprob_parity_with_our_model(served):
     server, folders, _ = served
     result = _parity(server.url, folders[0], _prompts(), "seed0")
     assert result["mean_abs"] < MEAN_TOL and result["max_abs"] < MAX_TOL, result
+
+
+def test_which_logprobs_the_temperature_scales(served):
+    """At a sampling temperature T ≠ 1, which logprobs does SGLang scale? Output tokens' logprobs must be
+    log softmax(z / T) (the behaviour policy the trainer recomputes at T); the prompt's input logprobs, which a
+    prefill-only OPD teacher reads, are expected unscaled (SGLang 0.5.17's logprob_processor takes log softmax of
+    the raw logits there): each side is asserted nearer the reading it should match than the other."""
+    server, folders, _ = served
+    prompt, temp = _prompts()[1], 0.25
+
+    async def ask():
+        from rollout.sglang.client import SGLangClient
+
+        client = SGLangClient(server.url)
+        try:
+            return await client.post("/generate", {
+                "input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 16, "temperature": temp, "ignore_eos": True}})
+        finally:
+            await client.close()
+
+    body = asyncio.run(ask())
+    meta = body["meta_info"]
+    inputs = torch.tensor([lp for lp, *_ in meta["input_token_logprobs"][1:]])
+    outputs = torch.tensor([lp for lp, *_ in meta["output_token_logprobs"]])
+    full = prompt + [tok for _lp, tok, *_ in meta["output_token_logprobs"]]
+    n = len(prompt)
+    dist = {}
+    for t in (1.0, temp):
+        ours = _our_logprobs(folders[0], full, t)
+        dist[f"input_vs_T{t}"] = float((ours[: n - 1] - inputs).abs().mean())
+        dist[f"output_vs_T{t}"] = float((ours[n - 1:] - outputs).abs().mean())
+    REPORT["temperature_scaling"] = dist
+    print(dist)
+    assert dist["input_vs_T1.0"] < MEAN_TOL and dist["input_vs_T1.0"] < dist[f"input_vs_T{temp}"], dist
+    assert dist[f"output_vs_T{temp}"] < dist["output_vs_T1.0"], dist
 
 
 def test_update_weights_from_tensor_colocated(served):

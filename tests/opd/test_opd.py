@@ -92,3 +92,16 @@ def test_teacher_scores_equal_an_independent_forward(tiny_path, tmp_path, engine
             if m:
                 assert g == pytest.approx(w, abs=1e-4)
     assert teacher.stats()["tokens"] == 12 + 4
+
+
+def test_an_sglang_teacher_needs_temperature_one():
+    """SGLang scores a prompt at T = 1 whatever the request says: an SGLang teacher under another rollout
+    temperature is refused, a local one (which divides by T) is not."""
+    cfg = _cfg(TeacherConfig("f", "p", ["function"], engine="sglang"))
+    cfg.engine.temperature = 0.7
+    with pytest.raises(ValueError, match="returns prompt logprobs at temperature 1"):
+        validate_opd(cfg, {"function"})
+    cfg.opd.teachers[0].engine = "local"
+    assert validate_opd(cfg, {"function"})["function"].name == "f"
+    cfg.opd.teachers[0].engine, cfg.engine.temperature = "sglang", 1.0
+    assert validate_opd(cfg, {"function"})["function"].name == "f"
