@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every task (after --split / --domain)")
     p.add_argument("--workspace", help="grade the files of this folder instead")
     p.add_argument("--backend", choices=BACKENDS, default="bwrap")
-    p.add_argument("--reward", choices=["pass_fraction", "binary"], default="pass_fraction")
+    p.add_argument("--reward", choices=["pass_fraction", "fail_to_pass", "binary"], default="pass_fraction")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for the test run")
     p.set_defaults(func=cmd_grade)
 

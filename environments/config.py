@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from environments.sandbox import BACKENDS, SandboxLimits
 from environments.tasks import SHIPPED_TASKS
 
-REWARDS = ("pass_fraction", "binary")
+REWARDS = ("pass_fraction", "fail_to_pass", "binary")
 
 
 def training_limits() -> SandboxLimits:
@@ -26,7 +26,7 @@ class EnvConfig:
     # the last step, logged under eval_extra/: transfer beyond the training distribution, same sampling.
     extra_eval_tasks: str = ""
     sandbox: str = "bwrap"  # bwrap | docker
-    reward: str = "pass_fraction"  # pass_fraction | binary
+    reward: str = "pass_fraction"  # pass_fraction | fail_to_pass | binary (environments.grading._reward)
     grade_timeout_s: float = 60.0
     limits: SandboxLimits = field(default_factory=training_limits)
 

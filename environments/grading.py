@@ -177,12 +177,23 @@ def _run_tests(task: Task, files: list[TaskFile], test_paths: list[str], backend
     return outcomes, result
 
 
-def _reward(passed: int, total: int, reward: str) -> float:
+def _reward(passed: int, total: int, reward: str, regressions: tuple[int, int] = (0, 0)) -> float:
+    """`passed` of `total` graded tests (for `fail_to_pass`: of the tests that fail on the unsolved start);
+    `regressions`: (passed, total) of the tests that pass on the start (a repository task's pass_to_pass).
+
+    pass_fraction: passed / total over every graded test. On a repository task that pays for the
+    pass_to_pass tests the unchanged repository already passes: submitting nothing earns their share
+    (a policy learned exactly that, docs/RESULTS.md).
+    fail_to_pass: (fail_to_pass passed / their total) × (pass_to_pass passed / their total): 0 for the unsolved
+    start, scaled down by what the change breaks. binary: 1 only when every test passes."""
     if reward == "binary":
         return 1.0 if passed == total else 0.0
     if reward == "pass_fraction":
         return passed / total
-    raise ValueError(f"unknown reward {reward!r}; use 'pass_fraction' or 'binary'")
+    if reward == "fail_to_pass":
+        kept, kept_of = regressions
+        return passed / total * (kept / kept_of if kept_of else 1.0)
+    raise ValueError(f"unknown reward {reward!r}; use one of 'pass_fraction', 'fail_to_pass', 'binary'")
 
 
 def grade(task: Task, workspace: Path | dict[str, str] | str, backend: str = "bwrap", reward: str = "pass_fraction",
@@ -240,7 +251,11 @@ def _grade_repo(task: Task, workspace, backend: str, reward: str, timeout: float
     passed = sum(1 for t in expected if got[t] == "passed")
     f2p = sum(1 for t in task.fail_to_pass if got[t] == "passed")
     p2p = sum(1 for t in task.pass_to_pass if got[t] == "passed")
-    return GradeResult(_reward(passed, len(expected), reward), passed, len(expected) - passed, {
+    if reward == "fail_to_pass":
+        value = _reward(f2p, len(task.fail_to_pass), reward, (p2p, len(task.pass_to_pass)))
+    else:
+        value = _reward(passed, len(expected), reward)
+    return GradeResult(value, passed, len(expected) - passed, {
         "outcomes": got,
         "fail_to_pass": {"passed": f2p, "total": len(task.fail_to_pass)},
         "pass_to_pass": {"passed": p2p, "total": len(task.pass_to_pass)},

@@ -201,6 +201,23 @@ def test_a_broken_pass_to_pass_test_counts(task):
     assert result.details["outcomes"]["tests/test_pricing.py::test_sum"] == "failed"
 
 
+def test_fail_to_pass_reward_pays_nothing_for_the_unsolved_start(task):
+    """pass_fraction pays 3/4 for submitting the base (its pass_to_pass tests pass); fail_to_pass pays 0 for it,
+    1 for the reference, and scales a fix by the share of pass_to_pass tests it keeps."""
+    base = repo_base_files(task)
+    assert grade(task, base, reward="fail_to_pass").reward == 0.0
+    assert grade(task, "", reward="fail_to_pass").reward == 0.0
+    fixed = {**base, "shop/pricing.py": task.reference_solution[0].content}
+    assert grade(task, fixed, reward="fail_to_pass").reward == 1.0
+    # The fix, with test_sum broken by hand (2 of 3 pass_to_pass tests left): 1/1 × 2/3.
+    fixed["tests/test_pricing.py"] = base["tests/test_pricing.py"]
+    fixed["shop/__init__.py"] = ("from shop.pricing import total as _total\n\n\ndef total(prices, discount=0):\n"
+                                 "    return _total(prices, discount) + (1 if len(prices) == 2 else 0)\n")
+    result = grade(task, fixed, reward="fail_to_pass")
+    assert result.details["pass_to_pass"] == {"passed": 2, "total": 3}
+    assert result.reward == pytest.approx(2 / 3)
+
+
 def test_missing_or_uncollected_tests_fail(task):
     files = repo_base_files(task)
     files["shop/pricing.py"] = task.reference_solution[0].content
