@@ -11,8 +11,10 @@ submitted and solved (a reply over the turn budget, a blocked call, a window too
 The policy (trainer.actor_ranks DeepSpeed ranks, as in rl.train) then takes `sft.epochs` passes over those
 episodes, `sft.episodes_per_step` episodes per optimiser step, minimising the token-mean negative log-likelihood
 of the masked tokens (`ActorWorker.sft_step`). The result is an HF folder, `<run dir>/hf`, that rl.train takes as
-`model.name` (the run directory is `<output_dir>/<run_name>_sft`). With `sft.eval=true` the held-out split is evaluated before and after (rl.evaluate's episodes:
-`trainer.eval_samples` a task at `engine.eval_temperature`). Metrics go to metrics.jsonl, curves to curves.png.
+`model.name` (the run directory is `<output_dir>/<run_name>_sft`). With `sft.eval=true` the held-out split is
+evaluated before and after (rl.evaluate's episodes: `trainer.eval_samples` a task at `engine.eval_temperature`),
+and `env.extra_eval_tasks` (the transfer check, e.g. HumanEval) once a record, under `eval_extra/`. Metrics go to
+metrics.jsonl, curves to curves.png.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from antihack import Guard
 from environments import TOOL_SPECS, Task, ToolCall, load_tasks
 from models import load_tokenizer, resolve_model_path
 from rl.batch import to_samples
@@ -40,6 +41,7 @@ from rl.loop import check_sandbox, prepare_run_dir
 from rl.run_log import MetricsLogger, plot_curves
 from rollout.agent import AgentEpisode, EpisodeRuntime
 from rollout.chat import make_chat_format
+from rollout.guard import build_guard
 from rollout.scripted_engine import ScriptedEngine
 from rollout.tool_parsers import make_tool_parser
 from rollout.types import SamplingParams, Trajectory
@@ -73,7 +75,7 @@ def render_reference_episodes(cfg: Config, tasks: list[Task], tokenizer,
     episodes, and (task id, reason) for every task left out."""
     chat = make_chat_format(cfg.model.chat_format)
     parser = make_tool_parser(cfg.model.tool_format, TOOL_SPECS)
-    guard = Guard(list(cfg.guard.rules) or None, judge=None, enabled=cfg.guard.enabled, dummy_mode=cfg.guard.dummy_mode)
+    guard = build_guard(cfg.guard, with_judge=False)
     end_ids = chat.stop_token_ids(tokenizer)[:1]
 
     async def one(task: Task, gate: asyncio.Semaphore) -> tuple[str, Trajectory | None, str]:
@@ -112,7 +114,11 @@ def evaluate_policy(cfg: Config, model: str) -> dict:
 
     result = evaluate(model, cfg, cfg.env.tasks, cfg.env.eval_split, cfg.trainer.eval_max_tasks, cfg.seed,
                       cfg.trainer.eval_samples)
-    return result["metrics"]
+    out = dict(result["metrics"])
+    if cfg.env.extra_eval_tasks:  # the transfer check (e.g. HumanEval): every record once, as rl.train does
+        extra = evaluate(model, cfg, cfg.env.extra_eval_tasks, "all", 0, cfg.seed, 1)["metrics"]
+        out.update({k.replace("eval/", "eval_extra/", 1): v for k, v in extra.items()})
+    return out
 
 
 def sft(cfg: SFTRunConfig) -> dict:

@@ -56,11 +56,12 @@ def judge_backend(cfg: JudgeConfig, default_model: str = "") -> JudgeBackend | N
     return None
 
 
-def build_guard(cfg: GuardConfig, initial_policy: str = "") -> Guard:
-    """The guard of one rollout worker; an engine judge without a model is a frozen copy of the initial policy."""
+def build_guard(cfg: GuardConfig, initial_policy: str = "", with_judge: bool = True) -> Guard:
+    """The guard of one rollout worker; an engine judge without a model is a frozen copy of the initial policy.
+    `with_judge=False`: the rules alone, no judge model loaded (rl.sft, which plays scripted reference calls)."""
     if problems := cfg.problems():
         raise ValueError("; ".join(problems))
-    backend = judge_backend(cfg.judge, initial_policy) if cfg.enabled else None
+    backend = judge_backend(cfg.judge, initial_policy) if cfg.enabled and with_judge else None
     judge = LLMJudge(backend, cfg.judge) if backend is not None else None
     return Guard(list(cfg.rules) or None, judge=judge, enabled=cfg.enabled, dummy_mode=cfg.dummy_mode)
 

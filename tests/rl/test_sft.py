@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from environments import TOOL_SPECS, load_tasks
-from environments.tasks import LONG_HORIZON_TASKS
+from environments.tasks import LONG_HORIZON_TASKS, SHIPPED_TASKS
 from models import load_model, load_tokenizer
 from rl.batch import to_samples
 from rl.evaluate import load_config
@@ -101,8 +101,11 @@ def test_rl_sft_writes_a_policy_that_rl_train_can_start_from(tmp_path):
     held = [r for r in rows if r["split"] == "lh_heldout"][:1]
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(r) + "\n" for r in train + held))
+    extra = tmp_path / "extra.jsonl"  # the transfer check (HumanEval on the GPU): one function task here
+    extra.write_text(next(line for line in open(SHIPPED_TASKS) if json.loads(line)["domain"] == "function"))
     cmd = [sys.executable, "-m", "rl.sft", "+experiment=long_horizon", "model=tiny", f"env.tasks={tasks}",
-           f"output_dir={tmp_path}", "sft.epochs=2", "sft.episodes_per_step=2", "sft.learning_rate=1e-3",
+           f"env.extra_eval_tasks={extra}", f"output_dir={tmp_path}", "sft.epochs=2", "sft.episodes_per_step=2",
+           "sft.learning_rate=1e-3",
            "trainer.eval_max_tasks=1", "agent.max_episode_tokens=1200", "logging.wandb_mode=disabled"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -110,6 +113,7 @@ def test_rl_sft_writes_a_policy_that_rl_train_can_start_from(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["sft/episodes"] == 3 and summary["sft/skipped"] == 0 and summary["sft/optim_steps"] == 1
     assert "before/eval/pass_rate" in summary and "after/eval/pass_rate" in summary
+    assert summary["before/eval_extra/episodes"] == summary["after/eval_extra/episodes"] == 1
     steps = [json.loads(line) for line in open(run / "metrics.jsonl")]
     losses = [r["sft/loss"] for r in steps if "sft/loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0]  # 2 epochs × 2 steps (3 episodes, 2 a step)
