@@ -7,6 +7,10 @@ teacher that owns its domain, which scores the student's tokens (prefill only) w
 `opd.mode=ppo_opd`) → one PPO-clip update of the student → its weights to the engines. Per-domain reverse KL,
 per-domain pass rates of the student (and, once, of each teacher), checkpoints and `resume=true` as in rl.train;
 the merged student is saved in HF format at the end (`<run>/student`).
+
+The episodes run on rl.train's rollout manager (rl/rollout_manager.py): `trainer.max_staleness = K > 0` keeps
+them running while the student trains, and a trajectory is sent to its teacher the moment it finishes, so
+scoring never waits for the step; K = 0 is the synchronous loop (same tasks, seeds and placement as before).
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from opd.advantages import opd_advantages
 from opd.config import DistillConfig, register_opd_configs, validate_opd
 from opd.teacher import TeacherWorker, check_same_tokenizer
 from rl.actor import needs_logprob_pass, needs_old_logprobs
-from rl.batch import add_advantages, to_samples, trainable
+from rl.batch import add_advantages, mark_staleness, to_samples, trainable
 from rl.checkpoint import Checkpointer
 from rl.cluster import Workers, guard_metrics, rollout_worker_kwargs, run_episodes, start_ray, start_workers
 from rl.config import validate
 from rl.data import TaskSampler
+from rl.rollout_manager import RolloutManager
 from rl.run_log import MetricsLogger, plot_curves
 from rl.trajectory_metrics import trajectory_metrics
 from rl.loop import TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
@@ -57,34 +62,36 @@ def spawn_teachers(cfg: DistillConfig, log_dir: str | None = None) -> dict[str, 
     return handles
 
 
-def rollout_and_score(workers: Workers, teachers: dict, owner: dict, tasks, seed: int, desc: str):
-    """Episodes on the rollout workers; each finished one is scored by its domain's teacher right away, so
-    scoring overlaps the episodes still running. Returns (trajectories, samples with teacher_logprobs, timing)."""
-    refs = [workers.rollout[i % len(workers.rollout)].run_episode.remote(task, "train", seed * 1_000_003 + i)
-            for i, task in enumerate(tasks)]
-    index = {ref: i for i, ref in enumerate(refs)}
-    trajs: list = [None] * len(refs)
-    scoring: list[tuple[int, list[dict], ray.ObjectRef]] = []
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        i = index[done[0]]
-        traj = trajs[i] = ray.get(done[0])
+def score_when_ready(teachers: dict, owner: dict):
+    """The rollout manager's `on_ready` for OPD: a finished trajectory's trainable samples go to the teacher of
+    its domain at once, on the manager's thread, so scoring overlaps the episodes still running (and, with
+    trainer.max_staleness > 0, the trainer's step). Returns (teacher, samples, the score's ref), or None."""
+    def submit(traj):
         kept, _ = trainable([traj])
-        if kept:
-            samples = to_samples(kept)
-            for s in samples:
-                s["domain"] = traj.domain
-            scoring.append((i, samples, teachers[owner[traj.domain].name].score.remote(samples)))
-    rollout_end = time.perf_counter()
-    jobs = [(i, owner[trajs[i].domain].name, samples, ref) for i, samples, ref in scoring]
-    scores, rescored = collect_scores(teachers, jobs)
-    scoring = [(i, samples, ref) for i, samples, ref in scoring if i in scores]  # lost: left out, counted
-    for i, samples, _ in scoring:
-        for s, lps in zip(samples, scores[i]):
-            s["teacher_logprobs"] = lps
-    waited = time.perf_counter() - rollout_end
-    return trajs, scoring, waited, {"opd/teacher_rescored": rescored, "opd/unscored_dropped": len(jobs) - len(scores)}
+        if not kept:
+            return None
+        samples = to_samples(kept)
+        for s in samples:
+            s["domain"] = traj.domain
+        name = owner[traj.domain].name
+        return name, samples, teachers[name].score.remote(samples)
+    return submit
+
+
+def take_scores(teachers: dict, jobs: list) -> tuple[list, float, dict]:
+    """The batch's teacher scores (`jobs`: what score_when_ready returned for each trajectory, in batch order):
+    (scored [(trajectory index, samples with teacher_logprobs)], seconds waited for them, fault counters)."""
+    waiting = time.perf_counter()
+    pending = [(i, *job) for i, job in enumerate(jobs) if job is not None]
+    scores, rescored = collect_scores(teachers, pending)
+    scored = []
+    for i, _name, samples, _ref in pending:
+        if i in scores:  # lost: left out, counted
+            for s, lps in zip(samples, scores[i]):
+                s["teacher_logprobs"] = lps
+            scored.append((i, samples))
+    return scored, time.perf_counter() - waiting, {"opd/teacher_rescored": rescored,
+                                                    "opd/unscored_dropped": len(pending) - len(scored)}
 
 
 def collect_scores(teachers: dict, jobs: list[tuple[int, str, list[dict], ray.ObjectRef]],
@@ -124,12 +131,11 @@ def per_domain(trajs, prefix: str) -> dict:
     return out
 
 
-def distill_step(cfg: DistillConfig, workers: Workers, teachers: dict, owner: dict, sampler: TaskSampler, step: int,
+def distill_step(cfg: DistillConfig, workers: Workers, teachers: dict, rollouts: RolloutManager, step: int,
                  audit) -> dict:
     timer = Timer()
-    trajs, scored, waited, faults = rollout_and_score(workers, teachers, owner,
-                                                      sampler.next(cfg.trainer.episodes_per_step), cfg.seed + step,
-                                                      f"step {step + 1}")
+    trajs, async_metrics = rollouts.next_batch()
+    scored, waited, faults = take_scores(teachers, rollouts.take_attached(trajs))
     stats = ray.get([t.stats.remote() for t in teachers.values()])  # (a restarted teacher counts from its restart)
     busy = sum(s["busy_s"] for s in stats)
     scored_tokens = sum(s["tokens"] for s in stats)
@@ -137,17 +143,19 @@ def distill_step(cfg: DistillConfig, workers: Workers, teachers: dict, owner: di
                "perf/rollout_s": timer.lap(), "perf/teacher_scoring_s": busy, "perf/teacher_wait_s": waited,
                "perf/teacher_tokens_per_s": scored_tokens / busy if busy > 0 else 0.0,
                # the share of teacher scoring hidden behind the rollout (goal ≥ 0.8)
-               "perf/teacher_overlap": 1.0 - min(waited / busy, 1.0) if busy > 0 else 1.0, **faults}
+               "perf/teacher_overlap": 1.0 - min(waited / busy, 1.0) if busy > 0 else 1.0,
+               **faults, **async_metrics}
     write_audit(audit, step + 1, trajs)
     if not scored:
         log.warning("step %d: no trainable trajectory; no update", step + 1)
         return metrics
-    kept = [trajs[i] for i, _, _ in scored]
+    kept = [trajs[i] for i, _ in scored]
     samples = []
-    for k, (_, traj_samples, _) in enumerate(scored):
+    for k, (_, traj_samples) in enumerate(scored):
         for s in traj_samples:
             s["traj"] = k
             samples.append(s)
+    mark_staleness(samples, workers.weight_version)
     a = cfg.algorithm
     if needs_logprob_pass(a):  # π_old (several optimiser steps, a KL in the reward) and π_ref, as in rl.train
         for key, values in workers.actor.compute_logprobs(samples, needs_old_logprobs(a)).result().items():
@@ -163,15 +171,22 @@ def distill_step(cfg: DistillConfig, workers: Workers, teachers: dict, owner: di
     metrics["perf/opd_s"] = timer.lap()
     metrics.update(workers.actor.train_step(samples, cfg.seed + step).result())
     metrics.update(workers.sync.push(step + 1))
+    rollouts.set_version(workers.weight_version)  # episodes starting from now on are on the new weights
     if critic_update is not None:
         metrics.update(critic_update.result())
     metrics["perf/train_s"] = timer.lap()
     return metrics
 
 
+def eval_episodes(cfg: DistillConfig, tasks) -> list:
+    """Each held-out task `trainer.eval_samples` times (sampled at engine.eval_temperature when more than once):
+    pass@1 is the mean over them."""
+    return [t for t in tasks for _ in range(cfg.trainer.eval_samples)]
+
+
 def evaluate_student(cfg: DistillConfig, workers: Workers, tasks, step: int) -> dict:
     started = time.perf_counter()
-    trajs = run_episodes(workers, tasks, "eval", 10_000 + step, "eval")
+    trajs = run_episodes(workers, eval_episodes(cfg, tasks), "eval", 10_000 + step, "eval")
     return {**trajectory_metrics(trajs, "eval"), **per_domain(trajs, "eval"),
             "perf/eval_s": time.perf_counter() - started}
 
@@ -186,7 +201,8 @@ def evaluate_teachers(cfg: DistillConfig, tasks) -> dict:
         worker = ray.remote(num_cpus=0, num_gpus=t.gpus, max_concurrency=cfg.engine.max_concurrent_episodes + 8)(
             RolloutWorker).remote(str(resolve_model_path(t.path)), cfg.engine.__class__(**{
                 **vars(cfg.engine), "type": "local", "speculative_steps": 0}), **rollout_worker_kwargs(cfg))
-        trajs = ray.get([worker.run_episode.remote(task, "eval", 10_000 + i) for i, task in enumerate(tasks)])
+        trajs = ray.get([worker.run_episode.remote(task, "eval", 10_000 + i)
+                         for i, task in enumerate(eval_episodes(cfg, tasks))])
         for key, value in per_domain(trajs, f"teacher/{t.name}/eval").items():
             out[key] = value
         ray.get(worker.shutdown.remote())
@@ -216,16 +232,22 @@ def distill(cfg: DistillConfig) -> dict:
     critic = str(resolve_model_path(cfg.model.critic or cfg.model.name)) if cfg.opd.mode == "ppo_opd" else None
     workers = start_workers(cfg, student, critic, str(run_dir))
     teachers = spawn_teachers(cfg, str(run_dir / "sglang"))
-    start = 0
+    start, state = 0, None
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)
         workers.actor.load(str(resume_from / "actor"))
         if workers.critic is not None:
             workers.critic.load(str(resume_from / "critic"))
-        sampler.load_state_dict(state["sampler"])
         start = state["step"]
-        workers.sync.push(start)
+        workers.sync.push(state.get("weight_version", start))
         log.info("resumed from %s at step %d", resume_from, start)
+    t = cfg.trainer
+    rollouts = RolloutManager(workers.rollout, sampler, t.episodes_per_step, t.max_staleness,
+                              cfg.engine.max_concurrent_episodes, cfg.seed, start_step=start,
+                              version=workers.weight_version, on_restart=workers.sync.refresh,
+                              on_ready=score_when_ready(teachers, owner))
+    if state is not None:  # a checkpoint from before the manager holds only the sampler: nothing pending
+        rollouts.load_state_dict(state.get("rollout", state), train_tasks)
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
                            OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
     final: dict = {}
@@ -239,11 +261,14 @@ def distill(cfg: DistillConfig) -> dict:
             logger.log(0, first)
             final.update(first)
             log.info("step 0 | %s", domain_line(first, cfg))
+        rollouts.start()
         for step in range(start, cfg.trainer.steps):
             timer = Timer()
             last = clock.is_last(step)
-            metrics = distill_step(cfg, workers, teachers, owner, sampler, step, audit)
+            metrics = distill_step(cfg, workers, teachers, rollouts, step, audit)
             if eval_tasks and (last or (cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0)):
+                if last:  # nothing else runs during the final evaluation
+                    rollouts.stop()
                 metrics.update(evaluate_student(cfg, workers, eval_tasks, step + 1))
                 clock.saw_evaluation(metrics["perf/eval_s"])
             out_of_time = clock.stops_after(step, timer.total(), last)
@@ -251,8 +276,10 @@ def distill(cfg: DistillConfig) -> dict:
                 timer.lap()
                 checkpoints.save(step + 1, workers.actor.save,
                                  workers.critic.save if workers.critic is not None else None,
-                                 {"step": step + 1, "sampler": sampler.state_dict(), "seed": cfg.seed})
+                                 {"step": step + 1, "weight_version": workers.weight_version, "seed": cfg.seed,
+                                  "rollout": rollouts.state_dict()})
                 metrics["perf/checkpoint_s"] = timer.lap()
+            rollouts.step_done(workers.weight_version)
             metrics["perf/step_s"] = timer.total()
             logger.log(step + 1, metrics)
             final.update(metrics)
@@ -260,6 +287,7 @@ def distill(cfg: DistillConfig) -> dict:
                      domain_line(metrics, cfg), metrics["perf/step_s"])
             if clock.ended_early(step, last, out_of_time, final):
                 break
+    rollouts.stop()
     workers.actor.save_hf(str(run_dir / "student"), student)
     logger.close()
     if cfg.logging.plot:

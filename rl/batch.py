@@ -54,6 +54,13 @@ def to_samples(trajectories: list[Trajectory]) -> list[dict]:
     return samples
 
 
+def mark_staleness(samples: list[dict], version: int) -> None:
+    """Each sample's `weight_versions` becomes `staleness`: how many versions each action token lags the policy at
+    `version` (0 elsewhere), which the actor's mismatch metrics are reported by."""
+    for s in samples:
+        s["staleness"] = (version - s.pop("weight_versions")).clamp(min=0).float() * s["loss_mask"]
+
+
 def replay_metrics(samples: list[dict]) -> dict:
     """How much of the routing the trained logprobs depend on came from the engine: `replay/tokens_replayed_frac`,
     over each sample's positions before its last action token (the ones that token's logprob depends on), and

@@ -79,7 +79,7 @@ def episode_seed(base: int, index: int, batch_size: int) -> int:
 class RolloutManager:
     def __init__(self, workers: list, sampler: TaskSampler, batch_size: int, max_staleness: int,
                  max_concurrent: int, seed: int, tag: str = "ep", start_step: int = 0, version: int = 0,
-                 on_restart=None, restart_timeout_s: float = 600.0):
+                 on_restart=None, restart_timeout_s: float = 600.0, on_ready=None):
         self.workers, self.sampler = list(workers), sampler
         self.batch_size, self.max_staleness, self.max_concurrent = batch_size, max_staleness, max_concurrent
         self.seed, self.tag = seed, tag
@@ -95,6 +95,9 @@ class RolloutManager:
         self._restarted: set[int] = set()  # back, waiting for `on_restart` (the driver's thread) before any episode
         self._incarnation = [0] * len(self.workers)
         self.on_restart, self.restart_timeout_s = on_restart, restart_timeout_s
+        # on_ready(trajectory) → anything: called on the manager's thread as each trajectory finishes, before the
+        # batch is taken (opd.distill sends it to its teacher there); `take_attached` hands the results over.
+        self.on_ready, self._attached = on_ready, {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -138,6 +141,11 @@ class RolloutManager:
         trajs = [t for _, t in taken]
         metrics.update(staleness_metrics(trajs, self.version))
         return trajs, metrics
+
+    def take_attached(self, trajs: list[Trajectory]) -> list:
+        """What `on_ready` returned for each of these trajectories (None where it was not called), forgotten here."""
+        with self._cond:
+            return [self._attached.pop(t.rollout_id, None) for t in trajs]
 
     def refresh_restarted(self) -> None:
         """On the driver's thread: bring every worker that Ray restarted to the current weights (`on_restart`),
@@ -236,6 +244,9 @@ class RolloutManager:
             error = exc
         except Exception as exc:  # the worker survived; the episode did not: an error trajectory, counted
             traj, error = None, exc
+        attached = None
+        if traj is not None and self.on_ready is not None and traj.grade_details.get("aborted") != "stale":
+            attached = self.on_ready(traj)  # outside the lock: the driver may take a batch meanwhile
         with self._cond:
             ticket = self._inflight.pop(ref)
             self._load[ticket.worker] -= 1
@@ -254,6 +265,8 @@ class RolloutManager:
                 self.counts["aborted_stale"] += 1
                 self._rerun_stale(ticket)
             else:
+                if attached is not None:
+                    self._attached[traj.rollout_id] = attached
                 self._ready.append((ticket, traj))
             self._cond.notify_all()
 
@@ -319,6 +332,7 @@ class RolloutManager:
             oldest = traj.oldest_version()
             if oldest is not None and self.version - oldest > self.max_staleness:
                 self.counts["dropped_stale"] += 1
+                self._attached.pop(traj.rollout_id, None)
                 self._rerun_stale(ticket)
             else:
                 keep.append((ticket, traj))

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from environments import load_tasks
 from models import resolve_model_path
 from rl.actor import needs_logprob_pass, needs_old_logprobs
-from rl.batch import add_advantages, boundary_value_drop, replay_metrics, to_samples, trainable
+from rl.batch import add_advantages, boundary_value_drop, mark_staleness, replay_metrics, to_samples, trainable
 from rl.checkpoint import Checkpointer
 from rl.cluster import Workers, engine_metrics, guard_metrics, run_episodes, start_ray, start_workers
 from rl.config import Config, overlaps_models, register_configs, validate
@@ -50,8 +50,7 @@ def train_step(cfg: Config, workers: Workers, rollouts: RolloutManager, step: in
         return metrics
     samples = to_samples(kept)
     metrics.update(replay_metrics(samples))
-    for s in samples:  # how many versions each token lags the policy it trains (the actor's mismatch metrics by lag)
-        s["staleness"] = (workers.weight_version - s.pop("weight_versions")).clamp(min=0).float() * s["loss_mask"]
+    mark_staleness(samples, workers.weight_version)
     if cfg.trainer.max_staleness == 0:  # the rollout is the wait; asynchronously it overlaps the previous step
         metrics["perf/rollout_tokens_per_s"] = sum(t.num_action_tokens for t in trajs) / metrics["perf/rollout_s"]
     a = cfg.algorithm

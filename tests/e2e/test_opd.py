@@ -1,6 +1,7 @@
 """`python -m opd.distill` end to end with tiny models on the CPU: a student and two teachers (other random
 inits, the same tokenizer), each teacher in its own Ray worker owning one task domain, scoring trajectories as
-they finish; pure-OPD updates, per-domain metrics, checkpoint, resume, and the merged student in HF format."""
+they finish; pure-OPD updates, per-domain metrics, checkpoint, resume (on the asynchronous loop), and the merged
+student in HF format."""
 
 from __future__ import annotations
 
@@ -45,9 +46,13 @@ def test_distill_two_teachers_then_resume(tmp_path):
     assert step["rollout/weight_version"] == 1 and "actor/grad_norm" in step and "critic/value_loss" not in step
     assert (run / "student" / "config.json").exists() and list((run / "student").glob("*.safetensors"))
 
-    final = distill(config(f"output_dir={tmp_path}", "trainer.steps=2", "resume=true", "trainer.zero_stage=2"))
+    # Resumed asynchronously (K = 1): step 3's episodes start while step 2 trains, and are scored as they finish.
+    final = distill(config(f"output_dir={tmp_path}", "trainer.steps=3", "resume=true", "trainer.zero_stage=2",
+                           "trainer.max_staleness=1", "trainer.keep_checkpoints=3"))
     assert final["actor/ranks"] == 1
     assert (run / "checkpoints" / "step_000001" / "actor" / "state" / "universal" / "state" / ".complete").exists()
     records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1, 2] and final["rollout/weight_version"] == 2
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and final["rollout/weight_version"] == 3
+    for r in records[2:]:
+        assert r["opd/tokens"] > 0 and r["async/staleness_max"] <= 1 and r["opd/unscored_dropped"] == 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"

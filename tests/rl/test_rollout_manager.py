@@ -175,6 +175,38 @@ def test_staleness_bound_holds_with_partial_rollouts(ray_session, shipped_tasks)
     assert mixed > 0, "no episode continued across a weight update"
 
 
+def test_on_ready_runs_as_each_episode_finishes_and_follows_it_to_its_batch(ray_session, shipped_tasks):
+    """opd.distill's hook: `on_ready` sees every trajectory when it finishes (before the batch is taken, while
+    slower episodes still run), and `take_attached` hands each batch member what was made of it; a trajectory
+    dropped for staleness leaves nothing behind."""
+    tasks = shipped_tasks.split("train")
+    workers = [SkewedWorker.remote([1, 40, 2, 25, 1, 3], []) for _ in range(2)]
+    seen: list[tuple[str, float]] = []
+
+    def on_ready(traj):
+        seen.append((traj.rollout_id, time.perf_counter()))
+        return f"for {traj.rollout_id}"
+
+    manager = RolloutManager(workers, TaskSampler(tasks, 1), 4, 1, 4, seed=0, on_ready=on_ready).start()
+    taken, batches, dropped = [], [], 0
+    for step in range(6):
+        trajs, metrics = manager.next_batch()
+        taken.append(time.perf_counter())
+        dropped += metrics["async/dropped_stale"]
+        assert manager.take_attached(trajs) == [f"for {t.rollout_id}" for t in trajs]
+        assert manager.take_attached(trajs) == [None] * len(trajs)  # handed over once
+        batches.append(trajs)
+        ray.get([w.set_version.remote(step + 1) for w in workers])
+        manager.step_done(step + 1)
+    manager.stop()
+    when = dict(seen)
+    for trajs, end in zip(batches, taken):
+        assert all(when[t.rollout_id] <= end for t in trajs)
+    assert len(seen) >= 24 + dropped  # every trained one, and those dropped (then forgotten), were seen
+    with manager._cond:
+        assert set(manager._attached) <= {t.rollout_id for _, t in manager._ready}
+
+
 def test_resume_reruns_the_pending_episodes_once(ray_session, shipped_tasks):
     tasks = shipped_tasks.split("train")
     workers = [SkewedWorker.remote([1, 6, 2], []) for _ in range(2)]
