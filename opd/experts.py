@@ -47,8 +47,10 @@ def sft_examples(tasks, tokenizer, chat_format: str = "chatml", tool_format: str
 
 
 def train_expert(policy: str, domain: str, out: str, epochs: int = 4, lr: float = 2e-5, tasks_source: str = "",
-                 split: str = "train", seed: int = 0, chat_format: str = "chatml") -> dict:
+                 split: str = "train", seed: int = 0, chat_format: str = "chatml", device: str = "auto") -> dict:
+    """`device`: "auto" trains on the GPU when there is one (fp32 either way), else the named device."""
     torch.manual_seed(seed)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     path = str(resolve_model_path(policy))
     tokenizer = load_tokenizer(path)
     task_set = load_tasks(tasks_source) if tasks_source else load_tasks()
@@ -56,7 +58,7 @@ def train_expert(policy: str, domain: str, out: str, epochs: int = 4, lr: float 
     if not tasks:
         raise SystemExit(f"no {split!r} tasks of domain {domain!r}")
     examples = sft_examples(tasks, tokenizer, chat_format)
-    model = load_model(path, "policy").train()
+    model = load_model(path, "policy", device=device).train()
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     losses, started = [], time.perf_counter()
@@ -64,7 +66,7 @@ def train_expert(policy: str, domain: str, out: str, epochs: int = 4, lr: float 
         for _ in range(epochs):
             rng.shuffle(examples)
             for ids, start in examples:
-                x = torch.tensor([ids])
+                x = torch.tensor([ids], device=device)
                 labels = x.clone()
                 labels[:, :start] = -100
                 loss = model(input_ids=x, labels=labels).loss
@@ -76,7 +78,7 @@ def train_expert(policy: str, domain: str, out: str, epochs: int = 4, lr: float 
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
                 bar.update(1)
     Path(out).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.to("cpu").save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"domain": domain, "examples": len(examples), "epochs": epochs, "first_loss": losses[0],
             "last_epoch_loss": sum(losses[-len(examples):]) / len(examples), "seconds": time.perf_counter() - started}
@@ -93,8 +95,10 @@ def main(argv=None) -> dict:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--tasks", default="")
     p.add_argument("--split", default="train")
+    p.add_argument("--device", default="auto", help="auto: the GPU when there is one")
     args = p.parse_args(argv)
-    result = train_expert(args.policy, args.domain, args.out, args.epochs, args.lr, args.tasks, args.split)
+    result = train_expert(args.policy, args.domain, args.out, args.epochs, args.lr, args.tasks, args.split,
+                          device=args.device)
     print(result)
     return result
 

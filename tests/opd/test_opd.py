@@ -105,3 +105,48 @@ def test_an_sglang_teacher_needs_temperature_one():
     assert validate_opd(cfg, {"function"})["function"].name == "f"
     cfg.opd.teachers[0].engine, cfg.engine.temperature = "sglang", 1.0
     assert validate_opd(cfg, {"function"})["function"].name == "f"
+
+
+def test_an_expert_is_the_policy_fine_tuned_on_its_domain(tmp_path):
+    """python -m opd.experts: SFT on one domain's reference solutions; the result loads as a policy."""
+    import json
+
+    from environments.tasks import SHIPPED_TASKS
+    from models import load_model
+    from opd.experts import train_expert
+
+    rows = [json.loads(line) for line in open(SHIPPED_TASKS)]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in [r for r in rows if r["domain"] == "function"][:3]
+                             + [r for r in rows if r["domain"] == "bugfix"][:1]))
+    result = train_expert("tiny-random", "function", str(tmp_path / "expert"), epochs=3, lr=1e-3,
+                          tasks_source=str(tasks), device="cpu")
+    from environments import load_tasks
+
+    with_solution = [t for t in load_tasks(str(tasks)).split("train") if t.domain == "function"
+                     and any(f.path == t.entry_file for f in t.reference_solution)]
+    assert result["examples"] == len(with_solution) > 0 and result["last_epoch_loss"] < result["first_loss"]
+    assert load_model(str(tmp_path / "expert")) is not None
+    with pytest.raises(SystemExit, match="no 'train' tasks of domain 'repo'"):
+        train_expert("tiny-random", "repo", str(tmp_path / "none"), tasks_source=str(tasks), device="cpu")
+
+
+def test_the_gpu_experiment_fits_one_gpu(monkeypatch):
+    """opd_merge_gpu as docs/OPD.md runs it: a valid configuration on one GPU, SGLang teachers at T = 1, and the
+    actor, the student's server and both teachers' servers within the GPU's share."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from opd.config import register_opd_configs
+    from rl.config import validate
+
+    register_opd_configs()
+    configs = str(Path(__file__).resolve().parents[2] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base=None):
+        cfg = OmegaConf.to_object(compose(config_name="opd", overrides=["+experiment=opd_merge_gpu"]))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    validate(cfg)
+    owner = validate_opd(cfg, {"function", "bugfix"})
+    assert {t.engine for t in owner.values()} == {"sglang"} and cfg.engine.type == "sglang"
+    shares = cfg.trainer.actor_gpus + cfg.engine.sglang.gpus_per_server + sum(t.gpus for t in cfg.opd.teachers)
+    assert shares <= 1.0 and cfg.trainer.episodes_per_step >= 64 and cfg.trainer.eval_samples > 1

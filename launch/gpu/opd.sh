@@ -1,0 +1,27 @@
+#!/bin/bash
+# Parallel OPD on one H200 (docs/OPD.md): the two experts (python -m opd.experts, on the GPU), then opd.distill
+# +experiment=opd_merge_gpu (SGLang teachers, 64 episodes a step) for what is left of TIME_S seconds
+# (trainer.time_limit_action=finish: the run ends complete, final evaluation included). Start it detached:
+#   bash launch/gpu/detached.sh start CALL_S opd 'bash launch/gpu/opd.sh TIME_S [opd.distill overrides]'
+# and follow it with `bash launch/gpu/detached.sh watch CALL_S opd`; metrics, summary and curves come back.
+set -uo pipefail
+source launch/gpu/setup.sh >/dev/null
+TIME_S=$1; shift
+ROOT=/tmp/rl-out/opd RESULTS=${RESULTS:-/tmp/rl-out/opd/results}
+mkdir -p "$ROOT" "$RESULTS"
+started=$SECONDS
+for spec in function:1 bugfix:2; do  # domain:epochs, as the CPU demonstration made them
+  domain=${spec%%:*} epochs=${spec##*:}
+  [ -f "outputs/experts_gpu/$domain/config.json" ] && continue
+  python3 -m opd.experts --domain "$domain" --out "outputs/experts_gpu/$domain" --epochs "$epochs" \
+    || { echo "opd: the $domain expert failed"; exit 1; }
+done
+left=$((TIME_S - (SECONDS - started)))
+echo "opd: experts ready after $((SECONDS - started)) s; the distillation gets $left s"
+python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" \
+  trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@"
+rc=$?
+for f in metrics.jsonl summary.json config.yaml curves.png; do
+  [ -f "$ROOT/opd_merge_gpu/$f" ] && cp "$ROOT/opd_merge_gpu/$f" "$RESULTS/opd_$f"
+done
+exit $rc
