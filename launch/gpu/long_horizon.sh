@@ -1,14 +1,19 @@
 #!/bin/bash
-# The long-horizon run on one H200 (docs/RESULTS.md): the SFT cold start on the reference trajectories, with
+# The long-horizon runs on one H200 (docs/RESULTS.md): the SFT cold start on the reference trajectories, with
 # held-out pass@1 before and after, then critic PPO from the SFT checkpoint for what is left of TIME_S seconds
-# (trainer.time_limit_action=finish: the run ends complete, final evaluation included). Start it detached:
-#   bash launch/gpu/detached.sh start CALL_S lh 'SFT_ARGS="sft.epochs=8" bash launch/gpu/long_horizon.sh TIME_S [rl.train overrides]'
-# and follow it with `bash launch/gpu/detached.sh watch CALL_S lh`. Each run's metrics, summary and curves come
-# back under $RESULTS (sft_* and <run name>_*). Ablations are rl.train overrides, e.g. agent.compaction.enabled=false.
+# (trainer.time_limit_action=finish: each run ends complete, final evaluation included). Start it detached:
+#   bash launch/gpu/detached.sh start CALL_S lh 'SFT_ARGS="sft.epochs=8" bash launch/gpu/long_horizon.sh TIME_S [overrides]'
+# and follow it with `bash launch/gpu/detached.sh watch CALL_S lh`. RUNS (one `run_name|overrides` a line) runs
+# several PPO runs from the one SFT checkpoint at the same time, each with its own Ray and SGLang server on the
+# GPU (give them equal trainer.steps: the same budget of samples), e.g. the run and its two ablations:
+#   RUNS=$'long_horizon_gpu|\nlh_truncation|agent.compaction.enabled=false\nlh_per_segment|algorithm.chain_segments=false'
+# The overrides after TIME_S go to every run. Each run's metrics, summary and curves come back under $RESULTS
+# (sft_* and <run name>_*).
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
 ROOT=/tmp/rl-out/lh RESULTS=${RESULTS:-/tmp/rl-out/lh/results}
+RUNS=${RUNS:-long_horizon_gpu|}
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
 collect() {  # RUN_DIR PREFIX
@@ -22,11 +27,20 @@ if [ ! -f "$SFT/hf/config.json" ]; then
     || { echo "long_horizon: rl.sft failed"; collect "$SFT" sft; exit 1; }
   collect "$SFT" sft
 fi
-RUN_NAME=${RUN_NAME:-long_horizon_gpu}  # an ablation gets its own, e.g. RUN_NAME=lh_truncation
 left=$((TIME_S - (SECONDS - started)))
 echo "long_horizon: SFT done after $((SECONDS - started)) s; PPO gets $left s"
-python3 -m rl.train +experiment=long_horizon_gpu model.name="$SFT/hf" output_dir="$ROOT" run_name="$RUN_NAME" \
-  "${SGLANG_OVERRIDES[@]}" trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@"
-rc=$?
-collect "$ROOT/$RUN_NAME" "$RUN_NAME"
+pids=() names=()
+while IFS='|' read -r name extra; do
+  [ -n "$name" ] || continue
+  # shellcheck disable=SC2086  # extra: space-separated Hydra overrides of this run
+  python3 -m rl.train +experiment=long_horizon_gpu model.name="$SFT/hf" output_dir="$ROOT" run_name="$name" \
+    "${SGLANG_OVERRIDES[@]}" trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@" $extra \
+    > >(sed -u "s/^/[$name] /") 2>&1 &
+  pids+=($!) names+=("$name")
+done <<<"$RUNS"
+rc=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || { rc=1; echo "long_horizon: run ${names[$i]} failed"; }
+  collect "$ROOT/${names[$i]}" "${names[$i]}"
+done
 exit $rc
