@@ -34,6 +34,7 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     expert_shard: tuple[int, int] | None = None,
+    overrides: dict | None = None,
 ) -> nn.Module:
     """Load a policy (causal LM) or a critic (same backbone + a scalar value head).
 
@@ -46,6 +47,8 @@ def load_model(
     which keeps the same interface (get_decoder, get_output_embeddings, save_pretrained, `.logits`).
     `expert_shard=(r, E)` (GLM-5.x only): load only the routed experts expert-parallel rank r of E holds
     (`models.glm5.checkpoint.load_checkpoint`); other models have no routed experts to split and ignore it.
+    `overrides`: GLM-5.x config fields to change at load, e.g. implementation knobs such as `indexer_fp8`
+    (models/glm5/config.py); refused for other models.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -56,7 +59,10 @@ def load_model(
 
         if role not in ("policy", "value"):
             raise ValueError(f"role must be 'policy' or 'value', got {role!r}")
-        return load_hf(path, role=role, dtype=torch_dtype, device=device, expert_shard=expert_shard)
+        return load_hf(path, role=role, dtype=torch_dtype, device=device, expert_shard=expert_shard,
+                       **(overrides or {}))
+    if overrides:
+        raise ValueError(f"model overrides {sorted(overrides)} are for GLM-5.x models; {path} is not one")
     if role == "policy":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     elif role == "value":

@@ -50,18 +50,21 @@ class ActorWorker(DeepSpeedWorker):
     LOGPROB_FIELDS = ("loss_mask", "routed_experts")  # compute_logprobs's (routed_experts: MoE replay, if given)
 
     def __init__(self, model_path: str, optim: OptimConfig, algo: AlgorithmConfig, temperature: float = 1.0,
-                 dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None):
+                 dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None,
+                 model_overrides: dict | None = None):
         self.model_path = model_path
         self.algo = algo
         # The engine sampled from softmax(logits / T); π_old and π_θ must be the same function (greedy: T = 1).
         self.temperature = temperature if temperature > 0 else 1.0
-        super().__init__(load_model(model_path, "policy", dtype=dtype, expert_shard=expert_shard(dist, optim)),
+        super().__init__(load_model(model_path, "policy", dtype=dtype, expert_shard=expert_shard(dist, optim),
+                                    overrides=model_overrides),
                          optim, to_dtype(dtype), seed, torch_threads, dist, tokenizer_source=model_path)
         self.reference = None
         if needs_reference(algo):
             # on the host first: under expert parallelism only this rank's experts then go to the device
             self.reference = self.shard_experts(load_model(model_path, "policy", dtype=dtype,
-                                                           expert_shard=expert_shard(dist, optim)))
+                                                           expert_shard=expert_shard(dist, optim),
+                                                           overrides=model_overrides))
             self.reference.to(self.device).eval()
             self.reference.requires_grad_(False)
 

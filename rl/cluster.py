@@ -94,7 +94,7 @@ def actor_group(cfg: Config, policy: str, learning_rate: float | None = None,
     return TrainerGroup(ActorWorker, t.actor_ranks, t.actor_gpus, "actor", policy, optim,
                         cfg.algorithm if algorithm is None else algorithm, temperature=cfg.engine.temperature,
                         dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=t.torch_threads or 0,
-                        sequence_parallel=t.sequence_parallel)
+                        sequence_parallel=t.sequence_parallel, model_overrides=dict(cfg.model.trainer_overrides))
 
 
 def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Workers:

@@ -24,6 +24,9 @@ class ModelConfig:
     dtype: str = "float32"
     chat_format: str = "chatml"  # chatml | glm
     tool_format: str = "json"  # json | glm
+    # GLM-5.x config fields the trainer's policy (and reference) load with, e.g. {indexer_fp8: true}: score the
+    # indexer as SGLang does, so that its top-k matches the engine's (docs/BENCHMARKS.md, indexer consistency)
+    trainer_overrides: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -105,6 +105,9 @@ class Glm5Config:
     # ---- implementation knobs (never written to config.json) ------------------------------------------------
     latent_norm_eps: float = _impl(1e-6)  # q_a/kv_a RMSNorm eps: transformers & NeMo 1e-6, SGLang & prime-rl 1e-5
     indexer_norm_eps: float = _impl(1e-6)  # indexer k_norm (LayerNorm) eps, the same everywhere
+    # score the indexer as SGLang's DSA kernels do (models.glm5.indexer.fp8_act_quant): q and k rounded through
+    # bf16 and per-row FP8 e4m3, head gates through bf16; a trainer that should select what the engine selected
+    indexer_fp8: bool = _impl(False)
     attn_query_chunk: int = _impl(256)  # queries per sparse-attention chunk (gathered KV: chunk × topk × 576)
     moe_impl: str = _impl("auto")  # "auto": grouped GEMMs on CUDA, a loop over experts on CPU; "loop"; "grouped"
     sparse_attn_kernel: str = _impl("auto")  # "auto": fused Triton on CUDA in bf16/fp16, else torch; "torch"

@@ -31,9 +31,23 @@ from models.glm5.kernels.indexer import index_scores_fused
 from models.glm5.layers import apply_rope, chunk_key_ends, key_bounds
 
 
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_act_quant(x: torch.Tensor) -> torch.Tensor:
+    """x through SGLang's indexer act-quant and back, in fp32: rounded to bf16, then each row (last dim: one head
+    of q, or a token's k) scaled by max(1e-4, amax) / 448 and rounded to FP8 e4m3 (nearest, ties to even).
+    What SGLang 0.5.17's DSA kernels score (deepseek_v32/indexer_k.cuh for k; q per head likewise), so a trainer
+    with `indexer_fp8` ranks keys as the engine did: the top-k differs only where the rounding reorders them."""
+    x = x.to(torch.bfloat16).float()
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_E4M3_MAX
+    return (x / scale).to(torch.float8_e4m3fn).float() * scale
+
+
 class Indexer(nn.Module):
     def __init__(self, config: Glm5Config):
         super().__init__()
+        self.fp8 = config.indexer_fp8
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
@@ -89,6 +103,9 @@ class Indexer(nn.Module):
         b, s = q.shape[:2]
         t_all = k.shape[1]
         width = min(self.topk, t_all)
+        if self.fp8:  # as the engine scores (fp8_act_quant); w: SGLang's head gates come from a bf16 GEMM
+            scale = self.n_heads ** -0.5
+            q, k, w = fp8_act_quant(q), fp8_act_quant(k), (w / scale).to(torch.bfloat16).float() * scale
         out = torch.full((b, s, width), -1, dtype=torch.long, device=q.device)
         chunk, key_block = self.blocks["fused" if kernels.usable(q) else "torch"]
         # keys past a chunk's last query are invisible to all of it

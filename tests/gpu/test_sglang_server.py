@@ -432,8 +432,9 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 def test_indexer_selection_against_the_real_server(tmp_path):
     """How often SGLang's DSA top-k for a token differs from our trainer's on the same weights and tokens, past the
-    2,048 keys where selection begins (docs/BENCHMARKS.md), once SGLang's KV-pool slots are read as positions. Ours in bf16 and in fp32 against SGLang's and against
-    each other separates what precision explains from what the implementations do differently; the overlap
+    2,048 keys where selection begins (docs/BENCHMARKS.md), once SGLang's KV-pool slots are read as positions. Ours
+    in bf16, in fp32 and scoring as SGLang does (`indexer_fp8`) against SGLang's and against each other separates
+    what precision explains from what the implementations do differently; the overlap
     that chance alone gives (`chance_overlap`) is reported beside them, as it is high this close to the top-k.
     Asserts only the capture's shape: the figures are measured, not assumed. Run it alone with -k indexer: it
     starts a server of its own with `--enable-return-indexer-topk`; the raw selections go beside the report."""
@@ -472,8 +473,8 @@ def test_indexer_selection_against_the_real_server(tmp_path):
     offset = int(theirs[1, 0][theirs[1, 0] >= 0].min())
     theirs = torch.where(theirs >= 0, theirs - offset, theirs)
     ours = {}
-    for dtype in ("bfloat16", "float32"):
-        model = load_model(str(folder), "policy", dtype=dtype, device="cuda").eval()
+    for dtype, overrides in (("bfloat16", {}), ("float32", {}), ("bfloat16_fp8", {"indexer_fp8": True})):
+        model = load_model(str(folder), "policy", dtype=dtype.split("_")[0], device="cuda", overrides=overrides).eval()
         with torch.no_grad():
             out = model(input_ids=torch.tensor([prompt], device="cuda"), return_routing=True, use_cache=False,
                         logits_to_keep=1)
@@ -492,9 +493,10 @@ def test_indexer_selection_against_the_real_server(tmp_path):
     figures = {}
     for n, layer in enumerate(full):
         t = theirs[sparse, columns[n]]
-        b, f = ours["bfloat16"][layer][sparse], ours["float32"][layer][sparse]
+        b, f, q = (ours[d][layer][sparse] for d in ("bfloat16", "float32", "bfloat16_fp8"))
         figures[f"layer{layer}"] = {
             "sglang_vs_ours_bf16": _overlap(t, b), "sglang_vs_ours_fp32": _overlap(t, f),
+            "sglang_vs_ours_fp8": _overlap(t, q),  # the trainer scoring as SGLang does (model indexer_fp8)
             "ours_bf16_vs_fp32": _overlap(b, f)}
     # selections of 2,048 keys drawn at random from a position's p + 1 causal keys would share 2048 / (p + 1)
     chance = float(torch.tensor([2048 / (p + 1) for p in range(2048, len(prompt))]).mean())
@@ -511,6 +513,6 @@ def test_indexer_selection_against_the_real_server(tmp_path):
                     "ours_bf16": {i: t[near].to(torch.int16) for i, t in ours["bfloat16"].items()},
                     "ours_fp32": {i: t[near].to(torch.int16) for i, t in ours["float32"].items()}},
                    report.with_suffix(".pt"))  # for the analysis of what differs (docs/BENCHMARKS.md)
-    assert theirs.shape[0] == len(prompt) and all(len(v) == 3 for v in figures.values())
+    assert theirs.shape[0] == len(prompt) and all(len(v) == 4 for v in figures.values())
     # measured 2026-12-03: 99.1-99.6% of keys shared (precision at the 2,048th place); far below means a bug
     assert all(v["sglang_vs_ours_bf16"][0] > 0.97 for v in figures.values()), figures

@@ -233,3 +233,14 @@ def test_replay_is_refused_by_a_model_that_cannot_take_it_and_filled_where_missi
     batch = as_token_batch(with_routing + without, ("loss_mask", "routed_experts"))
     assert batch.has("routed_experts") and (batch.sample(1, "routed_experts") == -1).all()
     assert (batch.sample(0, "routed_experts") == with_routing[0]["routed_experts"]).all()
+
+
+def test_the_actor_and_its_reference_load_with_the_trainer_overrides():
+    """model.trainer_overrides (rl.config) reach the policy and the reference of the ActorWorker."""
+    from models.glm5.indexer import Indexer
+
+    worker = ActorWorker(str(resolve_model_path("glm52-tiny")), OptimConfig(learning_rate=1e-3),
+                         AlgorithmConfig(use_reference=True), torch_threads=1, model_overrides={"indexer_fp8": True})
+    for model in (worker.module, worker.reference):
+        indexers = [m for m in model.modules() if isinstance(m, Indexer)]
+        assert indexers and all(m.fp8 for m in indexers)
