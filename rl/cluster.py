@@ -115,7 +115,9 @@ def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "
                           max_concurrency=cfg.engine.max_concurrent_episodes + 8,
                           max_restarts=cfg.engine.max_worker_restarts, max_task_retries=0)(RolloutWorker).remote(
         policy, cfg.engine, **rollout_worker_kwargs(cfg), worker_index=i,
-        sglang_endpoint=fleet.endpoint() if fleet else None)
+        sglang_endpoint=fleet.endpoint() if fleet else None,
+        episode_log=f"{run_dir}/episodes/worker{i}.jsonl" if run_dir else "",
+        episode_log_every=cfg.logging.episode_log_every)
         for i in range(cfg.engine.num_workers)]
     ray.get([h.__ray_ready__.remote() for h in rollout])
     for group in (actor, critic_worker):

@@ -174,6 +174,9 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     project: str = "agentic-rl"
     plot: bool = True
+    # every N-th finished episode of each mode (train / eval) on each rollout worker, decoded, to
+    # <run dir>/episodes/worker<i>.jsonl (what the policy wrote, for reading); 0: none
+    episode_log_every: int = 16
 
 
 @dataclass

@@ -61,9 +61,10 @@ async def run(worker: RolloutWorker, tasks, seed: int, concurrency: int):
 
 
 def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_tasks: int = 0,
-             seed: int = 0, samples: int = 1) -> dict:
+             seed: int = 0, samples: int = 1, episode_log: str = "") -> dict:
     """`samples` episodes per task (sampled at engine.eval_temperature, which must then be > 0): pass@1 is
-    the mean over all of them, `eval/tasks_solved` the share of tasks solved at least once."""
+    the mean over all of them, `eval/tasks_solved` the share of tasks solved at least once. `episode_log`: a
+    JSONL file for every logging.episode_log_every-th episode, decoded (rollout.worker.RolloutWorker)."""
     task_set = load_tasks(tasks_source)
     tasks = task_set.split(split)
     if max_tasks:
@@ -82,7 +83,8 @@ def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_
     try:
         worker = RolloutWorker(model_path, cfg.engine, cfg.agent, cfg.guard, cfg.model.chat_format,
                                cfg.model.tool_format, cfg.env.sandbox, dict(vars(cfg.env.limits)), cfg.env.reward,
-                               cfg.env.grade_timeout_s, sglang_endpoint=fleet.endpoint() if fleet else None)
+                               cfg.env.grade_timeout_s, sglang_endpoint=fleet.endpoint() if fleet else None,
+                               episode_log=episode_log, episode_log_every=cfg.logging.episode_log_every)
         started = time.perf_counter()
         trajs = asyncio.run(run(worker, tasks, seed, cfg.engine.max_concurrent_episodes))
     finally:
@@ -111,10 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=1, help="episodes per task (needs engine.eval_temperature > 0)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--episode-log", default="", help="JSONL of decoded episodes (every logging.episode_log_every-th)")
     args = p.parse_args(argv)
     cfg = load_config(args.experiment, overrides)
     result = evaluate(args.model, cfg, args.tasks or cfg.env.tasks, args.split or cfg.env.eval_split,
-                      args.max_tasks, args.seed, args.samples)
+                      args.max_tasks, args.seed, args.samples, args.episode_log)
     m = result["metrics"]
     print(f"{args.model}: pass@1 {m['eval/pass_rate']:.3f}  mean reward {m['eval/reward_mean']:.3f}  "
           f"turns {m['eval/turns_mean']:.2f}  tokens {m['eval/episode_tokens_mean']:.0f}  "

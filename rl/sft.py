@@ -109,11 +109,11 @@ def render_reference_episodes(cfg: Config, tasks: list[Task], tokenizer,
     return episodes, skipped
 
 
-def evaluate_policy(cfg: Config, model: str) -> dict:
+def evaluate_policy(cfg: Config, model: str, episode_log: str = "") -> dict:
     from rl.evaluate import evaluate
 
     result = evaluate(model, cfg, cfg.env.tasks, cfg.env.eval_split, cfg.trainer.eval_max_tasks, cfg.seed,
-                      cfg.trainer.eval_samples)
+                      cfg.trainer.eval_samples, episode_log)
     out = dict(result["metrics"])
     if cfg.env.extra_eval_tasks:  # the transfer check (e.g. HumanEval): every record once, as rl.train does
         extra = evaluate(model, cfg, cfg.env.extra_eval_tasks, "all", 0, cfg.seed, 1)["metrics"]
@@ -149,7 +149,8 @@ def sft(cfg: SFTRunConfig) -> dict:
                            OmegaConf.to_container(OmegaConf.structured(cfg)))
     final = dict(summary)
     if s.eval:
-        final.update({f"before/{k}": v for k, v in evaluate_policy(cfg, policy).items()})
+        before = evaluate_policy(cfg, policy, str(run_dir / "episodes" / "before.jsonl"))
+        final.update({f"before/{k}": v for k, v in before.items()})
         logger.log(0, {k: v for k, v in final.items() if k.startswith("before/")})
     start_ray(cfg)
     actor = actor_group(cfg, policy, s.learning_rate, AlgorithmConfig(use_reference=False, kl_coef=0.0,
@@ -174,7 +175,8 @@ def sft(cfg: SFTRunConfig) -> dict:
     actor.shutdown()
     ray.shutdown()
     if s.eval:
-        after = {f"after/{k}": v for k, v in evaluate_policy(cfg, str(out)).items()}
+        after = evaluate_policy(cfg, str(out), str(run_dir / "episodes" / "after.jsonl"))
+        after = {f"after/{k}": v for k, v in after.items()}
         logger.log(step + 1, after)
         final.update(after)
     logger.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 
 import torch
@@ -52,7 +53,8 @@ class RolloutWorker:
     def __init__(self, model_path: str, engine: EngineConfig, agent: AgentConfig, guard: GuardConfig | Guard,
                  chat_format: str = "chatml", tool_format: str = "json", sandbox_backend: str = "bwrap",
                  sandbox_limits: dict | None = None, reward: str = "pass_fraction", grade_timeout_s: float = 60.0,
-                 worker_index: int = 0, sglang_endpoint: dict | None = None):
+                 worker_index: int = 0, sglang_endpoint: dict | None = None, episode_log: str = "",
+                 episode_log_every: int = 0):
         # Ray sets OMP_NUM_THREADS=1 in workers without CPUs reserved: choose the thread count ourselves.
         torch.set_num_threads(engine.torch_threads or os.cpu_count() or 1)
         agent.validate()
@@ -76,6 +78,9 @@ class RolloutWorker:
         self._pending: dict[str, torch.Tensor] = {}
         self._episodes: dict[str, AgentEpisode] = {}  # rollout id → running episode (for abort_episodes)
         self._needs_weights = _restarted_by_ray()  # cleared by commit_weights / set_weight_version
+        # every `episode_log_every`-th finished episode of each mode, decoded, appended to `episode_log` (JSONL)
+        self.episode_log, self.episode_log_every = episode_log, episode_log_every
+        self._finished: dict[str, int] = {}
 
     def sampling(self, mode: str, seed: int | None) -> SamplingParams:
         e = self.engine_cfg
@@ -101,11 +106,30 @@ class RolloutWorker:
             await episode.abort("timeout")
             done, _ = await asyncio.wait({running}, timeout=ABORT_GRACE_S)
         if done:
-            return running.result()
-        traj = copy.deepcopy(episode.traj)
-        traj.finish_reason = "aborted"
-        traj.grade_details["aborted"] = episode.abort_reason
+            traj = running.result()
+        else:
+            traj = copy.deepcopy(episode.traj)
+            traj.finish_reason = "aborted"
+            traj.grade_details["aborted"] = episode.abort_reason
+        self._log_episode(mode, traj)
         return traj
+
+    def _log_episode(self, mode: str, traj: Trajectory) -> None:
+        """What the policy actually wrote, for a reader: the segments as text (special tokens kept), with the
+        outcome. Sampled (every `episode_log_every`-th per mode) so that the file stays readable in size."""
+        n = self._finished[mode] = self._finished.get(mode, 0) + 1
+        if not self.episode_log or not self.episode_log_every or (n - 1) % self.episode_log_every:
+            return
+        decode = self.runtime.tokenizer.decode
+        record = {"worker": self.index, "mode": mode, "n": n, "rollout_id": traj.rollout_id, "task": traj.task_id,
+                  "reward": traj.reward, "passed": traj.passed, "finish": traj.finish_reason,
+                  "turns": traj.num_turns, "tool_calls": traj.num_tool_calls,
+                  "malformed_calls": traj.num_malformed_calls, "compactions": traj.num_compactions,
+                  "segments": [{"type": s.segment_type, "tokens": len(s.token_ids),
+                                "text": decode(s.token_ids, skip_special_tokens=False)} for s in traj.segments]}
+        os.makedirs(os.path.dirname(self.episode_log) or ".", exist_ok=True)
+        with open(self.episode_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     async def abort_episodes(self, rollout_ids: list[str], reason: str) -> int:
         """Abort these running episodes (unknown ids are ignored); returns how many were running."""

@@ -48,7 +48,8 @@ def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
 
     cfg = config(f"model.name={scripted_policy}", f"output_dir={tmp_path}", "trainer.verify_weight_sync=true",
                  "guard=judged", "guard.judge.backend=engine", f"guard.judge.model={scripted_judge}",
-                 "agent.context_window=896", "agent.max_turns=5", "engine.temperature=0.5")
+                 "agent.context_window=896", "agent.max_turns=5", "engine.temperature=0.5",
+                 "logging.episode_log_every=2")
     final = train(cfg)
     run = tmp_path / "coding_ppo_tiny"
     records = read_metrics(run / "metrics.jsonl")
@@ -75,6 +76,11 @@ def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
     assert any("pip-upgrade" in e["rules"] and "pip install -U pytest" in e["call"] for e in judged)
     assert sum(r["guard/judge_rate"] for r in steps) > 0 and all(r["guard/judge_failures"] == 0 for r in steps)
     assert (run / "curves.png").exists() and (run / "summary.json").exists() and final["rollout/episodes"] == 4
+    # what the policy wrote: every 2nd episode of each mode, decoded, with its outcome
+    logged = [json.loads(line) for f in sorted((run / "episodes").glob("worker*.jsonl")) for line in open(f)]
+    assert {e["mode"] for e in logged} == {"train", "eval"} and all(e["n"] % 2 == 1 for e in logged)
+    assert all(e["segments"] and "<|im_start|>" in e["segments"][0]["text"] for e in logged)
+    assert any(e["compactions"] > 0 and len(e["segments"]) == e["compactions"] + 1 for e in logged)
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (latest / "actor" / "hf" / "model.safetensors").exists() and (latest / "critic" / "state").exists()
     from transformers import AutoModelForCausalLM

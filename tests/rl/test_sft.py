@@ -114,6 +114,9 @@ def test_rl_sft_writes_a_policy_that_rl_train_can_start_from(tmp_path):
     assert summary["sft/episodes"] == 3 and summary["sft/skipped"] == 0 and summary["sft/optim_steps"] == 1
     assert "before/eval/pass_rate" in summary and "after/eval/pass_rate" in summary
     assert summary["before/eval_extra/episodes"] == summary["after/eval_extra/episodes"] == 1
+    for when in ("before", "after"):  # the held-out episode (the first of its evaluation: logged), decoded
+        logged = [json.loads(line) for line in open(run / "episodes" / f"{when}.jsonl")]
+        assert [e["mode"] for e in logged] == ["eval"] and logged[0]["segments"][0]["text"]
     steps = [json.loads(line) for line in open(run / "metrics.jsonl")]
     losses = [r["sft/loss"] for r in steps if "sft/loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0]  # 2 epochs × 2 steps (3 episodes, 2 a step)
