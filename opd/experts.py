@@ -74,7 +74,7 @@ def train_expert(policy: str, domain: str, out: str, epochs: int = 4, lr: float 
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optim.step()
                 optim.zero_grad(set_to_none=True)
-                losses.append(float(loss))
+                losses.append(loss.item())
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
                 bar.update(1)
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -310,6 +310,8 @@ class RolloutManager:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)
+        except SystemExit:  # Ray shut down under the wait (the run, or the test, is over): nothing to report
+            return
         except Exception as exc:  # ActorDiedError: out of restarts; GetTimeoutError: it did not come back
             with self._cond:
                 self._restarting.discard(w)

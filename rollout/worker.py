@@ -117,8 +117,10 @@ class RolloutWorker:
     def _log_episode(self, mode: str, traj: Trajectory) -> None:
         """What the policy actually wrote, for a reader: the segments as text (special tokens kept), with the
         outcome. Sampled (every `episode_log_every`-th per mode) so that the file stays readable in size."""
+        if not self.episode_log or not self.episode_log_every:
+            return
         n = self._finished[mode] = self._finished.get(mode, 0) + 1
-        if not self.episode_log or not self.episode_log_every or (n - 1) % self.episode_log_every:
+        if (n - 1) % self.episode_log_every:
             return
         decode = self.runtime.tokenizer.decode
         record = {"worker": self.index, "mode": mode, "n": n, "rollout_id": traj.rollout_id, "task": traj.task_id,

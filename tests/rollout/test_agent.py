@@ -245,6 +245,7 @@ def test_an_episode_past_its_timeout_is_aborted_and_not_graded(tokenizer, task_b
     worker.runtime = EpisodeRuntime(engine, tokenizer, make_chat_format("chatml"),
                                     make_tool_parser("json", TOOL_SPECS), Guard(), cfg)
     worker._episodes, worker._needs_weights, worker.engine = {}, False, engine
+    worker.episode_log, worker.episode_log_every, worker._finished = "", 0, {}
     traj = asyncio.run(worker.run_episode(task_by_id["add_two_numbers"], "train", 1, "slow-1"))
     assert traj.finish_reason == "aborted" and traj.grade_details["aborted"] == "timeout"
     assert engine.aborted == ["slow-1-1"] and traj.reward == 0.0 and "tests" not in traj.grade_details
