@@ -47,24 +47,26 @@ def load_config(experiment: str, overrides: list[str]) -> Config:
     return OmegaConf.to_object(dcfg)
 
 
-async def run(worker: RolloutWorker, tasks, seed: int, concurrency: int):
+async def run(worker: RolloutWorker, tasks, seeds: list[int], concurrency: int):
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(i, task):
+    async def one(task, seed):
         async with gate:
-            return await worker.run_episode(task, "eval", seed + i)
+            return await worker.run_episode(task, "eval", seed)
 
     try:
-        return await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)])
+        return await asyncio.gather(*[one(t, s) for t, s in zip(tasks, seeds)])
     finally:
         await worker.shutdown()
 
 
 def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_tasks: int = 0,
-             seed: int = 0, samples: int = 1, episode_log: str = "") -> dict:
+             seed: int = 0, samples: int = 1, episode_log: str = "", extra_tasks: str = "") -> dict:
     """`samples` episodes per task (sampled at engine.eval_temperature, which must then be > 0): pass@1 is
     the mean over all of them, `eval/tasks_solved` the share of tasks solved at least once. `episode_log`: a
-    JSONL file for every logging.episode_log_every-th episode, decoded (rollout.worker.RolloutWorker)."""
+    JSONL file for every logging.episode_log_every-th episode, decoded (rollout.worker.RolloutWorker).
+    `extra_tasks`: another task set (the transfer check, e.g. humaneval), every record once, on the same engine
+    (one server start), its metrics under `extra_metrics` (`eval_extra/`)."""
     task_set = load_tasks(tasks_source)
     tasks = task_set.split(split)
     if max_tasks:
@@ -75,6 +77,7 @@ def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_
         raise SystemExit(f"--samples {samples} needs engine.eval_temperature > 0 (greedy samples are identical): "
                          "add `-- engine.eval_temperature=0.7`")
     tasks = [t for t in tasks for _ in range(samples)]
+    extra = load_tasks(extra_tasks).tasks if extra_tasks else []
     model_path = resolve_checkpoint(model)
     fleet = None
     if cfg.engine.type == "sglang":  # servers of this model (or the ones named in engine.sglang.urls)
@@ -86,14 +89,17 @@ def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_
                                cfg.env.grade_timeout_s, sglang_endpoint=fleet.endpoint() if fleet else None,
                                episode_log=episode_log, episode_log_every=cfg.logging.episode_log_every)
         started = time.perf_counter()
-        trajs = asyncio.run(run(worker, tasks, seed, cfg.engine.max_concurrent_episodes))
+        seeds = [seed + i for i in range(len(tasks))] + [seed + j for j in range(len(extra))]
+        trajs = asyncio.run(run(worker, tasks + extra, seeds, cfg.engine.max_concurrent_episodes))
     finally:
         if fleet is not None:
             fleet.stop()
+    trajs, extra_trajs = trajs[:len(tasks)], trajs[len(tasks):]
     metrics = trajectory_metrics(trajs, "eval")
     metrics["eval/seconds"] = time.perf_counter() - started
+    out = {"extra_metrics": trajectory_metrics(extra_trajs, "eval_extra")} if extra else {}
     return {"model": model, "tasks": tasks_source, "split": split, "skipped_records": task_set.skipped,
-            "metrics": metrics,
+            "metrics": metrics, **out,
             "per_task": [{"task": t.task_id, "reward": t.reward, "passed": t.passed, "turns": t.num_turns,
                           "tokens": t.num_tokens, "finish": t.finish_reason} for t in trajs]}
 

@@ -112,13 +112,10 @@ def render_reference_episodes(cfg: Config, tasks: list[Task], tokenizer,
 def evaluate_policy(cfg: Config, model: str, episode_log: str = "") -> dict:
     from rl.evaluate import evaluate
 
+    # env.extra_eval_tasks (the transfer check, e.g. HumanEval): every record once, as rl.train does
     result = evaluate(model, cfg, cfg.env.tasks, cfg.env.eval_split, cfg.trainer.eval_max_tasks, cfg.seed,
-                      cfg.trainer.eval_samples, episode_log)
-    out = dict(result["metrics"])
-    if cfg.env.extra_eval_tasks:  # the transfer check (e.g. HumanEval): every record once, as rl.train does
-        extra = evaluate(model, cfg, cfg.env.extra_eval_tasks, "all", 0, cfg.seed, 1)["metrics"]
-        out.update({k.replace("eval/", "eval_extra/", 1): v for k, v in extra.items()})
-    return out
+                      cfg.trainer.eval_samples, episode_log, cfg.env.extra_eval_tasks)
+    return {**result["metrics"], **result.get("extra_metrics", {})}
 
 
 def sft(cfg: SFTRunConfig) -> dict:

@@ -81,6 +81,8 @@ class RolloutWorker:
         # every `episode_log_every`-th finished episode of each mode, decoded, appended to `episode_log` (JSONL)
         self.episode_log, self.episode_log_every = episode_log, episode_log_every
         self._finished: dict[str, int] = {}
+        if episode_log and episode_log_every:
+            os.makedirs(os.path.dirname(episode_log) or ".", exist_ok=True)
 
     def sampling(self, mode: str, seed: int | None) -> SamplingParams:
         e = self.engine_cfg
@@ -129,7 +131,6 @@ class RolloutWorker:
                   "malformed_calls": traj.num_malformed_calls, "compactions": traj.num_compactions,
                   "segments": [{"type": s.segment_type, "tokens": len(s.token_ids),
                                 "text": decode(s.token_ids, skip_special_tokens=False)} for s in traj.segments]}
-        os.makedirs(os.path.dirname(self.episode_log) or ".", exist_ok=True)
         with open(self.episode_log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
