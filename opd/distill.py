@@ -46,7 +46,7 @@ def sglang_settings(sglang) -> dict:
     """What an `sglang` teacher's server needs of the run's engine.sglang (plain types, for Ray)."""
     return {"launch_command": list(sglang.launch_command), "args": dict(sglang.args), "env": dict(sglang.env),
             "host": sglang.host, "startup_timeout_s": sglang.startup_timeout_s,
-            "request_timeout_s": sglang.request_timeout_s}
+            "request_timeout_s": sglang.request_timeout_s, "memory_retries": sglang.memory_retries}
 
 
 def spawn_teachers(cfg: DistillConfig, log_dir: str | None = None) -> dict[str, ray.actor.ActorHandle]:

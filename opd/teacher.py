@@ -60,7 +60,8 @@ class TeacherWorker:
             launch = s.get("launch_command") or ("python", "-m", "sglang.launch_server")
             self.server = SGLangServer(path, s.get("args") or {}, list(launch), name=f"teacher-{name}",
                                        host=s.get("host", "127.0.0.1"), env=s.get("env") or {}, log_dir=log_dir,
-                                       startup_timeout_s=float(s.get("startup_timeout_s", 900.0)))
+                                       startup_timeout_s=float(s.get("startup_timeout_s", 900.0)),
+                                       memory_retries=int(s.get("memory_retries", 3)))
             self.server.start()
         else:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -56,6 +56,7 @@ class SFTConfig:
     episodes_per_step: int = 8  # reference episodes per optimiser step
     split: str = ""  # whose reference trajectories are trained on ("": env.train_split)
     eval: bool = True  # held-out pass@1 before and after (env.eval_split)
+    eval_before: bool = True  # false: after only (the base policy's figures are known: a rerun saves its time)
     concurrency: int = 4  # episodes rendered at a time (each runs its sandbox)
 
 
@@ -145,7 +146,7 @@ def sft(cfg: SFTRunConfig) -> dict:
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
                            OmegaConf.to_container(OmegaConf.structured(cfg)))
     final = dict(summary)
-    if s.eval:
+    if s.eval and s.eval_before:
         before = evaluate_policy(cfg, policy, str(run_dir / "episodes" / "before.jsonl"))
         final.update({f"before/{k}": v for k, v in before.items()})
         logger.log(0, {k: v for k, v in final.items() if k.startswith("before/")})
@@ -184,8 +185,9 @@ def sft(cfg: SFTRunConfig) -> dict:
     (run_dir / "summary.json").write_text(json.dumps(final, indent=1, default=str))
     log.info("SFT done: %s (loss %.3f after %d steps)", out, final.get("sft/loss", float("nan")), step)
     if s.eval:
-        log.info("held-out pass@1 %.3f -> %.3f, reward %.3f -> %.3f", final["before/eval/pass_rate"],
-                 final["after/eval/pass_rate"], final["before/eval/reward_mean"], final["after/eval/reward_mean"])
+        log.info("held-out pass@1 %s -> %.3f, reward %s -> %.3f", final.get("before/eval/pass_rate", "(not run)"),
+                 final["after/eval/pass_rate"], final.get("before/eval/reward_mean", "(not run)"),
+                 final["after/eval/reward_mean"])
     return final
 
 

@@ -26,6 +26,9 @@ class SGLangConfig:
     args: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the server processes
     startup_timeout_s: float = 900.0  # a cold start JIT-compiles kernels (minutes)
+    # a start that fails because another process took GPU memory while the server loaded (servers or runs sharing
+    # a GPU) is retried this many times, a random pause apart (rollout/sglang/server.py: MEMORY_RACE_MARKERS)
+    memory_retries: int = 3
     request_timeout_s: float = 900.0
     max_retries: int = 3  # per request, on a dead server or an abort we did not ask for
     router: str = "auto"  # auto: sglang-router in front when num_servers > 1 | on | off (client-side affinity)

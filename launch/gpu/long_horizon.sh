@@ -18,6 +18,7 @@ mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
 collect() {  # RUN_DIR PREFIX
   for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$1/$f" ] && cp "$1/$f" "$RESULTS/$2_$f"; done
+  [ -d "$1/episodes" ] && tar -C "$1" -cJf "$RESULTS/$2_episodes.tar.xz" episodes  # the decoded episodes, small
   return 0
 }
 SFT=$ROOT/long_horizon_gpu_sft

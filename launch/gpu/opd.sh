@@ -4,10 +4,15 @@
 # (trainer.time_limit_action=finish: the run ends complete, final evaluation included). Start it detached:
 #   bash launch/gpu/detached.sh start CALL_S opd 'bash launch/gpu/opd.sh TIME_S [opd.distill overrides]'
 # and follow it with `bash launch/gpu/detached.sh watch CALL_S opd`; metrics, summary and curves come back.
+# RUNS (one `run_name|overrides` a line) runs several distillations from the same experts at the same time, each
+# with its own Ray and SGLang servers on the GPU (give them equal trainer.steps: the same budget), e.g. pure OPD
+# against OPD added to critic-PPO advantages:
+#   RUNS=$'opd_merge_gpu|\nopd_merge_gpu_ppo|opd.mode=ppo_opd trainer.critic_gpus=0.1 opd.eval_teachers=false'
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
 ROOT=/tmp/rl-out/opd RESULTS=${RESULTS:-/tmp/rl-out/opd/results}
+RUNS=${RUNS:-opd_merge_gpu|}
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
 for spec in function:1 bugfix:2; do  # domain:epochs, as the CPU demonstration made them
@@ -18,10 +23,19 @@ for spec in function:1 bugfix:2; do  # domain:epochs, as the CPU demonstration m
 done
 left=$((TIME_S - (SECONDS - started)))
 echo "opd: experts ready after $((SECONDS - started)) s; the distillation gets $left s"
-python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" \
-  trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@"
-rc=$?
-for f in metrics.jsonl summary.json config.yaml curves.png; do
-  [ -f "$ROOT/opd_merge_gpu/$f" ] && cp "$ROOT/opd_merge_gpu/$f" "$RESULTS/opd_$f"
+pids=() names=()
+while IFS='|' read -r name extra; do
+  [ -n "$name" ] || continue
+  # shellcheck disable=SC2086  # extra: space-separated Hydra overrides of this run
+  python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" run_name="$name" "${SGLANG_OVERRIDES[@]}" \
+    trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@" $extra > >(sed -u "s/^/[$name] /") 2>&1 &
+  pids+=($!) names+=("$name")
+done <<<"$RUNS"
+rc=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || { rc=1; echo "opd: run ${names[$i]} failed"; }
+  for f in metrics.jsonl summary.json config.yaml curves.png; do
+    [ -f "$ROOT/${names[$i]}/$f" ] && cp "$ROOT/${names[$i]}/$f" "$RESULTS/${names[$i]}_$f"
+  done
 done
 exit $rc

@@ -56,7 +56,7 @@ class SGLangFleet:
                 else SGLangServer
             self.servers = [make(self.model_path, dict(cfg.args), list(cfg.launch_command), name=f"sglang-{i}",
                                  host=cfg.host, env=env, log_dir=self.log_dir,
-                                 startup_timeout_s=cfg.startup_timeout_s)
+                                 startup_timeout_s=cfg.startup_timeout_s, memory_retries=cfg.memory_retries)
                             for i in range(cfg.num_servers)]
             started = time.perf_counter()
             self._each("start", wait=False)  # all servers load at once

@@ -7,7 +7,9 @@ put into every error, because "the server died" without the reason is useless at
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+log = logging.getLogger(__name__)
 
 LOG_TAIL_CHARS = 4000
 
@@ -202,16 +206,45 @@ class ManagedProcess:
             pass
 
 
+# What SGLang 0.5.17 prints when it finds less GPU memory after loading its weights than its mem-fraction-static
+# leaves it: it sizes the KV pool from the memory free when it *started* loading, so another process allocating
+# on the same GPU meanwhile (a second server, a trainer: several runs or teachers sharing one GPU) makes it refuse
+# to start even though the memory it needs is there once the others have settled.
+MEMORY_RACE_MARKERS = ("leave no GPU memory for the KV cache", "Not enough memory. Please try to increase")
+
+
 class SGLangServer(ManagedProcess):
-    """`python -m sglang.launch_server --model-path M --host H --port P <args>`."""
+    """`python -m sglang.launch_server --model-path M --host H --port P <args>`.
+
+    A start that fails on a memory race (`MEMORY_RACE_MARKERS` in its log) is retried up to `memory_retries`
+    times after a random pause of about `retry_delay_s` (the servers racing for one GPU then start apart); any
+    other failure is raised at once."""
 
     def __init__(self, model_path: str, args: Mapping[str, Any] | None = None,
                  launch_command: Sequence[str] = ("python", "-m", "sglang.launch_server"), name: str = "sglang-0",
-                 **process):
+                 memory_retries: int = 3, retry_delay_s: float = 15.0, **process):
         super().__init__(name, **process)
         self.model_path = str(model_path)
         self.args = dict(args or {})
         self.command = [sys.executable if c == "python" else c for c in launch_command]
+        self.memory_retries, self.retry_delay_s = memory_retries, retry_delay_s
+        self.memory_race_retries = 0  # over the server's life
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        for attempt in range(self.memory_retries + 1):
+            try:
+                return super().wait_healthy(timeout_s)
+            except ServerStartError:
+                last_start = self.log_tail().rpartition("===== start ")[2]
+                if attempt == self.memory_retries or not any(m in last_start for m in MEMORY_RACE_MARKERS):
+                    raise
+            pause = self.retry_delay_s * random.uniform(0.5, 1.5)
+            log.warning("%s: GPU memory taken by another process while it loaded (log %s); starting it again in "
+                        "%.0f s (retry %d of %d)", self.name, self.log_path, pause, attempt + 1, self.memory_retries)
+            self.memory_race_retries += 1
+            time.sleep(pause)
+            self.stop()
+            self.start(wait=False)
 
     def command_line(self, model_path: str | None = None) -> list[str]:
         managed = {"model-path", "host", "port"}

@@ -52,6 +52,39 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path):
     assert not server.alive()
 
 
+# Fails its first start as SGLang 0.5.17 does when another process took GPU memory while it loaded, then runs the
+# fake server: the retry must start it again; any other start-up failure is not retried.
+RACE_ONCE = """
+import os, sys
+marker, message = sys.argv[1], sys.argv[2]
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    print("ValueError: " + message, flush=True)
+    sys.exit(1)
+os.execv(sys.executable, [sys.executable, *sys.argv[3:]])
+"""
+
+
+@pytest.mark.parametrize("message, retried", [
+    ("Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.05. Raise it above 0.166",
+     True),
+    ("CUDA error: an illegal memory access was encountered", False)])
+def test_a_start_that_lost_a_memory_race_is_retried(tiny_path, tmp_path, message, retried):
+    launch = [sys.executable, "-c", RACE_ONCE, str(tmp_path / "failed_once"), message, *FAKE[1:]]
+    server = SGLangServer(tiny_path, launch_command=launch, log_dir=str(tmp_path), startup_timeout_s=120,
+                          memory_retries=2, retry_delay_s=0.1)
+    try:
+        if retried:
+            assert http_ok(f"{server.start()}/health")
+            assert server.starts == 2 and server.memory_race_retries == 1
+        else:
+            with pytest.raises(ServerStartError, match="illegal memory access"):
+                server.start()
+            assert server.starts == 1 and server.memory_race_retries == 0
+    finally:
+        server.stop()
+
+
 def test_a_server_on_every_interface_is_advertised_by_the_node_ip(tiny_path, tmp_path):
     server = SGLangServer(tiny_path, launch_command=FAKE, host="0.0.0.0", log_dir=str(tmp_path), startup_timeout_s=120)
     try:
