@@ -3,7 +3,7 @@ on the same global batch of rollout-shaped samples.
 
     python bench/trainer_scaling.py [--model tiny-random|smollm2-shape|PATH] [--ranks 1 2] [--samples 16]
                                     [--lengths 48 320] [--steps 3] [--zero 0] [--layouts packed padded]
-                                    [--offload] [--sync-bucket-mb 64] [--gpus-per-rank 0]
+                                    [--offload] [--sync-bucket-mb 64] [--gpus-per-rank 0] [--matmul fp32 tf32]
 
 Each world is a real `TrainerGroup` of `ActorWorker`s / `CriticWorker`s in a Ray placement group (gloo on the
 CPU, NCCL with `--gpus-per-rank 1` on a GPU host), the samples split by token count. Per world and micro-batch
@@ -74,7 +74,7 @@ def peak_gpu_mib() -> float:
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
 
 
-def run_world(ranks: int, packed: bool, args) -> dict:
+def run_world(ranks: int, packed: bool, args, matmul: str = "fp32") -> dict:
     from critic.worker import CriticWorker
     from models.deepspeed_worker import OptimConfig
     from rl.actor import ActorWorker
@@ -84,12 +84,13 @@ def run_world(ranks: int, packed: bool, args) -> dict:
     path = args.model_path
     optim = OptimConfig(learning_rate=1e-5, micro_batch_tokens=args.micro_batch_tokens, zero_stage=args.zero,
                         pack_micro_batches=packed, offload_optimizer=args.offload and args.zero >= 1,
-                        offload_params=args.offload and args.zero == 3)
+                        offload_params=args.offload and args.zero == 3, tf32=matmul == "tf32")
     threads = max(1, (os.cpu_count() or 1) // ranks) if args.gpus_per_rank == 0 else 4
     algo = AlgorithmConfig(use_reference=False, mask_low=0, mask_high=0, veto=0)
     batch = samples(args.samples, lengths=tuple(args.lengths))
     tokens = sum(len(s["token_ids"]) for s in batch)
-    result = {"ranks": ranks, "layout": "packed" if packed else "padded", "tokens_per_step": tokens}
+    result = {"ranks": ranks, "layout": ("packed" if packed else "padded") + ("" if matmul == "fp32" else f" {matmul}"),
+              "tokens_per_step": tokens}
     for name in ("actor", "critic"):
         group = (TrainerGroup(ActorWorker, ranks, args.gpus_per_rank, "actor", path, optim, algo, temperature=1.0,
                               dtype=args.dtype, torch_threads=threads) if name == "actor" else
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--micro-batch-tokens", type=int, default=2048)
     p.add_argument("--sync-bucket-mb", type=int, default=64)
+    p.add_argument("--matmul", nargs="+", default=["fp32"], choices=["fp32", "tf32"],
+                   help="fp32 weights' matmuls: plain fp32, or on TF32 tensor cores (trainer.tf32; GPU only)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ray.init(num_cpus=os.cpu_count(), num_gpus=torch.cuda.device_count(), include_dashboard=False,
              log_to_driver=False)
     args.model_path = model_path(args.model)
-    results = [run_world(r, layout == "packed", args) for r in args.ranks for layout in args.layouts]
+    results = [run_world(r, layout == "packed", args, matmul) for r in args.ranks for layout in args.layouts
+               for matmul in args.matmul]
     ray.shutdown()
     base = results[0]
     print(f"{args.model} ({args.dtype}), ZeRO-{args.zero}{' offload' if args.offload else ''}, {args.samples} samples "

@@ -93,6 +93,7 @@ class TrainerConfig:
     zero_stage: int = 0
     micro_batch_tokens: int = 4096  # positions per forward/backward (rows x width)
     gradient_checkpointing: bool = False
+    tf32: bool = False  # a GPU trainer's fp32 matmuls on TF32 tensor cores (models/deepspeed_worker.py OptimConfig)
     # Rows holding several samples end to end (as wide as the micro-batch's longest sample) where the model
     # supports it (transformers' models, GLM-5.2); false: one right-padded sample a row for every model
     pack_micro_batches: bool = True

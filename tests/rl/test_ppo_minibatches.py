@@ -103,3 +103,15 @@ def test_the_value_clip_binds_from_the_second_step(tiny_path):
     # The first step starts at V = V_old: nothing is clipped there; later steps move V past ε = 0.05.
     assert three["critic/value_clipfrac"] > one["critic/value_clipfrac"] >= 0
     assert three["critic/value_clipfrac"] > 0.3
+
+
+def test_trainer_tf32_sets_the_workers_matmul_precision(tiny_path):
+    """trainer.tf32 reaches the worker's process (the GPU's TF32 tensor cores for fp32 matmuls); off again by
+    default, so that the CPU suite and fp32 parity tests keep full fp32."""
+    try:
+        ActorWorker(tiny_path, OptimConfig(tf32=True), AlgorithmConfig(use_reference=False), temperature=1.0)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        ActorWorker(tiny_path, OptimConfig(), AlgorithmConfig(use_reference=False), temperature=1.0)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
