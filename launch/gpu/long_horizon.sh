@@ -9,14 +9,19 @@
 #   RUNS=$'long_horizon_gpu|\nlh_truncation|agent.compaction.enabled=false\nlh_per_segment|algorithm.chain_segments=false'
 # The overrides after TIME_S go to every run. Each run's metrics, summary and curves come back under $RESULTS
 # (sft_* and <run name>_*). EXPERIMENT picks the experiment (long_horizon_gpu; long_horizon_gen_gpu: the generated
-# tasks). Several runs sharing the GPU need trainer.micro_batch_tokens=8192 (at 32,768 a trainer process held
-# about 52 GB) and a smaller engine.sglang.args.mem-fraction-static each (0.08 is plenty for the 135M policy).
+# tasks). With several runs the GPU is shared, so each run (and the SFT) gets SHARED_ARGS first (overrides after
+# TIME_S still win): micro-batches of 8,192 positions (at 32,768 a trainer process held about 52 GB) and 8% of the
+# free memory for each SGLang server (plenty for the 135M policy; docs/SGLANG.md, "Several servers on one GPU").
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
 ROOT=/tmp/rl-out/lh RESULTS=${RESULTS:-/tmp/rl-out/lh/results}
 EXPERIMENT=${EXPERIMENT:-long_horizon_gpu}
 RUNS=${RUNS:-$EXPERIMENT|}
+SHARED_ARGS=()
+if [ "$(grep -c . <<<"$RUNS")" -gt 1 ]; then
+  SHARED_ARGS=(trainer.micro_batch_tokens=8192 engine.sglang.args.mem-fraction-static=0.08)
+fi
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
 collect() {  # RUN_DIR PREFIX
@@ -27,7 +32,7 @@ collect() {  # RUN_DIR PREFIX
 SFT=$ROOT/${EXPERIMENT}_sft
 if [ ! -f "$SFT/hf/config.json" ]; then
   # shellcheck disable=SC2086  # SFT_ARGS: space-separated Hydra overrides
-  python3 -m rl.sft +experiment="$EXPERIMENT" output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" ${SFT_ARGS:-} \
+  python3 -m rl.sft +experiment="$EXPERIMENT" output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" ${SFT_ARGS:-} \
     || { echo "long_horizon: rl.sft failed"; collect "$SFT" sft; exit 1; }
   collect "$SFT" sft
 fi
@@ -38,7 +43,7 @@ while IFS='|' read -r name extra; do
   [ -n "$name" ] || continue
   # shellcheck disable=SC2086  # extra: space-separated Hydra overrides of this run
   python3 -m rl.train +experiment="$EXPERIMENT" model.name="$SFT/hf" output_dir="$ROOT" run_name="$name" \
-    "${SGLANG_OVERRIDES[@]}" trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@" $extra \
+    "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@" $extra \
     > >(sed -u "s/^/[$name] /") 2>&1 &
   pids+=($!) names+=("$name")
 done <<<"$RUNS"
