@@ -8,11 +8,17 @@
 # with its own Ray and SGLang servers on the GPU (give them equal trainer.steps: the same budget), e.g. pure OPD
 # against OPD added to critic-PPO advantages:
 #   RUNS=$'opd_merge_gpu|\nopd_merge_gpu_ppo|opd.mode=ppo_opd trainer.critic_gpus=0.1 opd.eval_teachers=false'
+# Several runs share the GPU: each gets micro-batches of 8,192 positions and 5% of the free memory for each of its
+# three SGLang servers first (overrides after TIME_S still win; docs/SGLANG.md, "Several servers on one GPU").
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
 ROOT=/tmp/rl-out/opd RESULTS=${RESULTS:-/tmp/rl-out/opd/results}
 RUNS=${RUNS:-opd_merge_gpu|}
+SHARED_ARGS=()
+if [ "$(grep -c . <<<"$RUNS")" -gt 1 ]; then
+  SHARED_ARGS=(trainer.micro_batch_tokens=8192 engine.sglang.args.mem-fraction-static=0.05)
+fi
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
 for spec in function:1 bugfix:2; do  # domain:epochs, as the CPU demonstration made them
@@ -27,7 +33,7 @@ pids=() names=()
 while IFS='|' read -r name extra; do
   [ -n "$name" ] || continue
   # shellcheck disable=SC2086  # extra: space-separated Hydra overrides of this run
-  python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" run_name="$name" "${SGLANG_OVERRIDES[@]}" \
+  python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" run_name="$name" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" \
     trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@" $extra > >(sed -u "s/^/[$name] /") 2>&1 &
   pids+=($!) names+=("$name")
 done <<<"$RUNS"
