@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,7 +82,10 @@ def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_
     model_path = resolve_checkpoint(model)
     fleet = None
     if cfg.engine.type == "sglang":  # servers of this model (or the ones named in engine.sglang.urls)
-        fleet = SGLangFleet(cfg.engine.sglang, model_path, use_ray=False)
+        # server logs in a folder of this evaluation's own: a shared /tmp/sglang-0.log would mix the logs of
+        # jobs running side by side (and the start-up retry reads its own server's log)
+        fleet = SGLangFleet(cfg.engine.sglang, model_path, log_dir=tempfile.mkdtemp(prefix="rl-evaluate-sglang-"),
+                            use_ray=False)
         fleet.start()
     try:
         worker = RolloutWorker(model_path, cfg.engine, cfg.agent, cfg.guard, cfg.model.chat_format,

@@ -149,7 +149,9 @@ class SGLangFleet:
     def _call(self, index: int, method: str, *args, **kwargs):
         server = self.servers[index]
         if self.use_ray:
-            return ray.get(getattr(server, method).remote(*args, **kwargs), timeout=self.cfg.startup_timeout_s)
+            # a restart may start the server up to 1 + memory_retries times (rollout/sglang/server.py)
+            timeout = self.cfg.startup_timeout_s * (1 + max(0, self.cfg.memory_retries))
+            return ray.get(getattr(server, method).remote(*args, **kwargs), timeout=timeout)
         return getattr(server, method)(*args, **kwargs)
 
     def _each(self, method: str, *args, **kwargs) -> list:

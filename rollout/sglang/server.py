@@ -227,7 +227,7 @@ class SGLangServer(ManagedProcess):
         self.model_path = str(model_path)
         self.args = dict(args or {})
         self.command = [sys.executable if c == "python" else c for c in launch_command]
-        self.memory_retries, self.retry_delay_s = memory_retries, retry_delay_s
+        self.memory_retries, self.retry_delay_s = max(0, memory_retries), retry_delay_s
         self.memory_race_retries = 0  # over the server's life
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
@@ -239,11 +239,12 @@ class SGLangServer(ManagedProcess):
                 if attempt == self.memory_retries or not any(m in last_start for m in MEMORY_RACE_MARKERS):
                     raise
             pause = self.retry_delay_s * random.uniform(0.5, 1.5)
-            log.warning("%s: GPU memory taken by another process while it loaded (log %s); starting it again in "
-                        "%.0f s (retry %d of %d)", self.name, self.log_path, pause, attempt + 1, self.memory_retries)
+            log.warning("%s: less GPU memory free after loading than mem-fraction-static allows (another process "
+                        "allocated meanwhile, or the fraction is too small; log %s); starting it again in %.0f s "
+                        "(retry %d of %d)", self.name, self.log_path, pause, attempt + 1, self.memory_retries)
             self.memory_race_retries += 1
-            time.sleep(pause)
             self.stop()
+            time.sleep(pause)
             self.start(wait=False)
 
     def command_line(self, model_path: str | None = None) -> list[str]:
