@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Generate the *generated* long-horizon repository tasks (long_horizon_gen_tasks.jsonl.gz): many tasks of the
-long-horizon shape whose faults a small policy can learn to find and fix.
+"""Generate the long-horizon repository tasks of `env.tasks=long_horizon_gen` (long_horizon_gen_tasks.jsonl.gz):
+many tasks of the long-horizon shape, with faults of a few known kinds that a small policy may learn to find and
+fix.
 
-Usage (from the repository root; deterministic for a seed, about two minutes on two cores):
+Usage (from the repository root; deterministic for a seed, about three minutes on two cores):
 
     python environments/data/generate_long_horizon.py [--train 320] [--heldout 48] [--seed 0] [--out PATH]
     python environments/data/check_long_horizon.py environments/data/long_horizon_gen_tasks.jsonl.gz
@@ -23,9 +24,10 @@ kinds, in many combinations:
   tests again (which now stop at the second module), read it, fix it, run the tests, submit: nine calls.
 
 The splits do not share functions: lh_train tasks are built from the function tasks of coding_tasks.jsonl's train
-split, lh_heldout tasks only from those of its heldout split, so a held-out task's faulty code was never seen in
-training (nor were the faults' lines). FAIL_TO_PASS and PASS_TO_PASS come from running each mutated module's
-tests here; check_long_horizon.py then verifies every task in a sandbox, trajectory included.
+split, lh_heldout tasks only from those of its heldout split (8 functions), so a held-out task's modules were never
+seen in training; a few generic lines (`if not items:`, `total = 0`) occur in both. FAIL_TO_PASS and PASS_TO_PASS
+come from running each mutated module's tests here; check_long_horizon.py then verifies every task in a sandbox,
+trajectory included.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def mutations(source: str) -> list[tuple[int, str, str]]:
         if getattr(node, "lineno", None) is None or node.lineno != getattr(node, "end_lineno", None):
             continue
         line = lines[node.lineno - 1]
+        if not line.isascii():  # ast's columns count UTF-8 bytes: on an ASCII line they are str offsets
+            continue
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _SWAPS:
             left, right = node.left, node.comparators[0]
             if left.end_lineno == right.lineno == node.lineno:
@@ -115,15 +119,14 @@ def mutations(source: str) -> list[tuple[int, str, str]]:
                 add(node.lineno, _splice_between(line, a.end_col_offset, b.col_offset, _SYMBOLS[op], _SWAPS[op]))
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and node.operand.lineno == node.lineno:
             segment = line[node.col_offset:node.end_col_offset]
-            inner = line[node.operand.col_offset:node.operand.end_col_offset]
-            if segment.startswith("not ") and segment.count("not ") == 1:
-                add(node.lineno, line[:node.col_offset] + inner + line[node.end_col_offset:])
+            if segment.startswith("not ") and segment.count("not ") == 1:  # drop the `not ` only (parentheses stay)
+                add(node.lineno, line[:node.col_offset] + segment[len("not "):] + line[node.end_col_offset:])
         elif isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value <= 9 \
                 and id(node) not in skip and node.end_col_offset - node.col_offset == 1:
             add(node.lineno, line[:node.col_offset] + str(node.value + 1) + line[node.end_col_offset:])
     unique = {}
-    for index, old, new in out:  # the line must be one str_replace can name: unique in the file
-        if source.count(old + "\n") == 1 and new.strip() and (index, new) not in unique:
+    for index, old, new in out:  # the faulty line must be one str_replace can name: unique in the mutated file
+        if lines.count(old) == 1 and new not in lines and new.strip() and (index, new) not in unique:
             unique[(index, new)] = (index, old, new)
     return list(unique.values())
 
@@ -158,7 +161,8 @@ def module_name(task_id: str) -> str:
 
 def viable_mutations(task: dict, package: str = "pkg") -> list[dict]:
     """The mutations of one function task's solution that fail at least one visible test, with the hidden tests'
-    outcomes under each (which ones then fail: FAIL_TO_PASS, which still pass)."""
+    outcomes under each (which ones then fail: FAIL_TO_PASS, which still pass); None when the reference solution
+    fails (or hangs in) its own tests."""
     module = module_name(task["id"])
     solution = task["reference_solution"][0]["content"]
     visible = _rewrite_imports(task["visible_tests"][0]["content"], package, module)
@@ -172,9 +176,12 @@ def viable_mutations(task: dict, package: str = "pkg") -> list[dict]:
         (root / "tests" / "test_visible.py").write_text(visible)
         (root / "tests" / "test_hidden.py").write_text(hidden)
         (root / package / f"{module}.py").write_text(solution)
-        clean = _pytest(root, ["tests"])
+        try:
+            clean = _pytest(root, ["tests"])
+        except subprocess.TimeoutExpired:
+            return None
         if not clean or any(v != "passed" for v in clean.values()):
-            return []  # the reference must pass its own tests
+            return None  # the reference must pass its own tests: not a module of any task
         for index, old, new in mutations(solution):
             lines = solution.splitlines(keepends=True)
             lines[index] = new + ("\n" if lines[index].endswith("\n") else "")
@@ -189,7 +196,7 @@ def viable_mutations(task: dict, package: str = "pkg") -> list[dict]:
             hidden_failed = {t.split("::", 1)[1].split("[", 1)[0] for t, o in outcome.items()  # a parametrised
                              if t.startswith("tests/test_hidden.py") and o != "passed"}  # test fails as a whole
             if visible_failed and hidden_failed:
-                out.append({"line": old, "mutated": new, "hidden_failed": sorted(hidden_failed)})
+                out.append({"index": index, "line": old, "mutated": new, "hidden_failed": sorted(hidden_failed)})
     return out
 
 
@@ -206,7 +213,12 @@ def build_task(pkg: str, chosen: list[dict], faults: dict[str, dict], split: str
         path, test_path = f"{pkg}/{module}.py", f"tests/test_{module}.py"
         solution = task["reference_solution"][0]["content"]
         fault = faults.get(module)
-        content = solution.replace(fault["line"] + "\n", fault["mutated"] + "\n", 1) if fault else solution
+        content = solution
+        if fault:  # the fault's own line (by index: the same text cannot occur elsewhere, mutations() checked)
+            lines = solution.splitlines(keepends=True)
+            assert lines[fault["index"]].rstrip("\n") == fault["line"]
+            lines[fault["index"]] = fault["mutated"] + lines[fault["index"]][len(fault["line"]):]
+            content = "".join(lines)
         files.append({"path": path, "content": content})
         if fault:
             diffs.append("".join(difflib.unified_diff(content.splitlines(keepends=True),
@@ -246,11 +258,12 @@ def generate(n_train: int, n_heldout: int, seed: int = 0, source: Path = SOURCE)
         viable[task["id"]] = viable_mutations(task)
     out, seen = [], set()
     for split, count in (("lh_train", n_train), ("lh_heldout", n_heldout)):
-        pool = [t for t in pools[split] if viable[t["id"]]]
+        usable = [t for t in pools[split] if viable[t["id"]] is not None]  # its reference passes its tests
+        pool = [t for t in usable if viable[t["id"]]]
         made, tries = 0, 0
         while made < count and tries < count * 50:
             tries += 1
-            chosen = rng.sample(pools[split], MODULES_PER_TASK)
+            chosen = rng.sample(usable, MODULES_PER_TASK)
             faulty = [t for t in chosen if t in pool]
             if len(faulty) < FAULTS_PER_TASK:
                 continue

@@ -42,11 +42,18 @@ def test_trajectories_solve_their_tasks_when_played(records, capsys):
 
 def test_mutations_change_one_operator_or_constant_on_one_line():
     source = ('def clip(x, lo, hi):\n    """Keep x within [lo, hi] (1 of 2 helpers)."""\n    if x < lo:\n'
-              '        return lo\n    if x > hi and not lo == hi:\n        return hi - 0\n    return x\n')
+              '        return lo\n    if x > hi and not lo == hi:\n        return hi - 0\n'
+              '    y = "\u00e9"; z = x + 1\n    return not (x or lo)\n')
     found = {(i, new.strip()) for i, _, new in mutations(source)}
     assert found == {(2, "if x <= lo:"), (4, "if x >= hi and not lo == hi:"), (4, "if x > hi or not lo == hi:"),
                      (4, "if x > hi and lo == hi:"), (4, "if x > hi and not lo != hi:"), (5, "return hi + 0"),
-                     (5, "return hi - 1")}  # nothing in the docstring; `return lo` appears once, unchanged
+                     (5, "return hi - 1"), (7, "return (x or lo)"), (7, "return not (x and lo)")}
+    # nothing in the docstring nor on the non-ASCII line (ast's columns count bytes); `not` goes, its
+    # parentheses stay; a mutation that would duplicate another line (str_replace could not name it) is left out
+    twins = "def f(x):\n    if x <= 0:\n        return 1\n    if x < 0:\n        return 2\n"
+    made = {(i, new) for i, _, new in mutations(twins)}
+    assert (1, "    if x <= 1:") in made and (3, "    if x < 1:") in made
+    assert not {new for _, new in made} & {"    if x < 0:", "    if x <= 0:"}
 
 
 def test_a_task_built_from_one_function_fails_where_it_should(tmp_path, capsys):
