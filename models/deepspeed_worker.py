@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_count(store, key: str, target: int, increment: int = 1, timeout_s: float = 120.0) -> None:
+    """Add `increment` to the store's counter `key`, then wait until it reaches `target` (a barrier over the
+    rendezvous store, which needs no process group). A peer that died is reported after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, increment) < target:
+        increment = 0
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key}: peers did not arrive within {timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 @dataclass
@@ -367,10 +379,23 @@ class DeepSpeedWorker:
     def close(self) -> None:
         """Leave the process group cleanly: every rank waits for the others, then tears its communicators down.
         A rank that simply exits while its peers still talk to it can die of SIGABRT in gloo's or NCCL's
-        threads ("terminate called without an active exception"), and NCCL warns of a leaked group."""
+        threads ("terminate called without an active exception"), and NCCL warns of a leaked group.
+
+        A collective barrier alone is not enough: a rank can return from it while a peer still reads the
+        barrier's last message, and a socket closed under that read aborts the peer. So the ranks also meet in
+        the rendezvous store after the barrier, and rank 0, which hosts the store, tears down last."""
         if self.world_size > 1 and torch.distributed.is_initialized():
+            from torch.distributed.distributed_c10d import _get_default_store
+
             torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+            store = _get_default_store()
+            wait_for_count(store, "close/passed_barrier", self.world_size)
+            if self.rank != 0:
+                torch.distributed.destroy_process_group()
+                store.add("close/left", 1)
+            else:
+                wait_for_count(store, "close/left", self.world_size - 1, increment=0)
+                torch.distributed.destroy_process_group()
 
     def save_hf(self, folder: str, tokenizer_from: str | None = None) -> int:
         """HF-format folder (config.json + safetensors shards) that transformers and our engines load as it is,

@@ -136,13 +136,14 @@ def test_k0_is_the_synchronous_loop(ray_session, shipped_tasks):
 
 def test_the_trainer_never_waits_for_the_slowest_episode(ray_session, shipped_tasks):
     """Episode 1 never ends unless aborted: two steps train without it (K = 1); once it can no longer meet the
-    bound it is aborted and its task runs again, so nothing is lost."""
+    bound it is aborted and its task runs again, so nothing is lost. (Whether the re-run finishes among the next
+    eight or is still pending after step 4 depends on timing: both are right, and both are checked.)"""
     tasks = shipped_tasks.split("train")
     workers = [SkewedWorker.remote([2, 3, 1, 5], [1]) for _ in range(2)]
     manager = RolloutManager(workers, TaskSampler(tasks, 0), 4, 1, 8, seed=0).start()
     batches = train_steps(manager, workers, 4)
     trained = [t.rollout_id for trajs, _, _ in batches for t in trajs]
-    assert "ep-1" not in trained and "ep-1r1" in trained  # the straggler's task, re-run
+    assert "ep-1" not in trained  # the straggler itself never reaches a batch
     assert sum(m["async/aborted_stale"] for _, m, _ in batches) == 1
     for trajs, metrics, version in batches:
         assert metrics["async/staleness_max"] <= 1
@@ -155,6 +156,8 @@ def test_the_trainer_never_waits_for_the_slowest_episode(ray_session, shipped_ta
     assert max(indices.values()) == 1
     assert not set(indices) & {p["index"] for p in state["pending"]}
     assert set(indices) | {p["index"] for p in state["pending"]} == set(range(state["next_index"]))
+    # the straggler's task: re-run and trained, or re-run (or about to be) and pending for a resumed run
+    assert "ep-1r1" in trained or 1 in {p["index"] for p in state["pending"]}
 
 
 def test_staleness_bound_holds_with_partial_rollouts(ray_session, shipped_tasks):
