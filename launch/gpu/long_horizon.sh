@@ -18,17 +18,16 @@ TIME_S=$1; shift
 ROOT=/tmp/rl-out/lh RESULTS=${RESULTS:-/tmp/rl-out/lh/results}
 EXPERIMENT=${EXPERIMENT:-long_horizon_gpu}
 RUNS=${RUNS:-$EXPERIMENT|}
-SHARED_ARGS=()
-if [ "$(grep -c . <<<"$RUNS")" -gt 1 ]; then
-  SHARED_ARGS=(trainer.micro_batch_tokens=8192 engine.sglang.args.mem-fraction-static=0.08)
-fi
+shared_gpu_args 8192 0.08
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
-collect() {  # RUN_DIR PREFIX
-  for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$1/$f" ] && cp "$1/$f" "$RESULTS/$2_$f"; done
-  [ -d "$1/episodes" ] && tar -C "$1" -cJf "$RESULTS/$2_episodes.tar.xz" episodes  # the decoded episodes, small
+collect() {  # RUN_DIR [PREFIX]: metrics, summary, config, curves and the decoded episodes (small) → $RESULTS
+  local prefix=${2:-$(basename "$1")} f
+  for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$1/$f" ] && cp "$1/$f" "$RESULTS/${prefix}_$f"; done
+  [ -d "$1/episodes" ] && tar -C "$1" -cJf "$RESULTS/${prefix}_episodes.tar.xz" episodes
   return 0
 }
+collect_run() { collect "$ROOT/$1"; }
 SFT=$ROOT/${EXPERIMENT}_sft
 if [ ! -f "$SFT/hf/config.json" ]; then
   # shellcheck disable=SC2086  # SFT_ARGS: space-separated Hydra overrides
@@ -38,18 +37,6 @@ if [ ! -f "$SFT/hf/config.json" ]; then
 fi
 left=$((TIME_S - (SECONDS - started)))
 echo "long_horizon: SFT done after $((SECONDS - started)) s; PPO gets $left s"
-pids=() names=()
-while IFS='|' read -r name extra; do
-  [ -n "$name" ] || continue
-  # shellcheck disable=SC2086  # extra: space-separated Hydra overrides of this run
-  python3 -m rl.train +experiment="$EXPERIMENT" model.name="$SFT/hf" output_dir="$ROOT" run_name="$name" \
-    "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@" $extra \
-    > >(sed -u "s/^/[$name] /") 2>&1 &
-  pids+=($!) names+=("$name")
-done <<<"$RUNS"
-rc=0
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || { rc=1; echo "long_horizon: run ${names[$i]} failed"; }
-  collect "$ROOT/${names[$i]}" "${names[$i]}"
-done
-exit $rc
+start_runs python3 -m rl.train +experiment="$EXPERIMENT" model.name="$SFT/hf" output_dir="$ROOT" \
+  "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@"
+wait_runs long_horizon collect_run

@@ -15,10 +15,7 @@ source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
 ROOT=/tmp/rl-out/opd RESULTS=${RESULTS:-/tmp/rl-out/opd/results}
 RUNS=${RUNS:-opd_merge_gpu|}
-SHARED_ARGS=()
-if [ "$(grep -c . <<<"$RUNS")" -gt 1 ]; then
-  SHARED_ARGS=(trainer.micro_batch_tokens=8192 engine.sglang.args.mem-fraction-static=0.05)
-fi
+shared_gpu_args 8192 0.05
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
 for spec in function:1 bugfix:2; do  # domain:epochs, as the CPU demonstration made them
@@ -29,19 +26,10 @@ for spec in function:1 bugfix:2; do  # domain:epochs, as the CPU demonstration m
 done
 left=$((TIME_S - (SECONDS - started)))
 echo "opd: experts ready after $((SECONDS - started)) s; the distillation gets $left s"
-pids=() names=()
-while IFS='|' read -r name extra; do
-  [ -n "$name" ] || continue
-  # shellcheck disable=SC2086  # extra: space-separated Hydra overrides of this run
-  python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" run_name="$name" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" \
-    trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@" $extra > >(sed -u "s/^/[$name] /") 2>&1 &
-  pids+=($!) names+=("$name")
-done <<<"$RUNS"
-rc=0
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || { rc=1; echo "opd: run ${names[$i]} failed"; }
-  for f in metrics.jsonl summary.json config.yaml curves.png; do
-    [ -f "$ROOT/${names[$i]}/$f" ] && cp "$ROOT/${names[$i]}/$f" "$RESULTS/${names[$i]}_$f"
-  done
-done
-exit $rc
+collect() {  # RUN_NAME
+  for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$ROOT/$1/$f" ] && cp "$ROOT/$1/$f" "$RESULTS/$1_$f"; done
+  return 0
+}
+start_runs python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" \
+  trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@"
+wait_runs opd collect

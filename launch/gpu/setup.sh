@@ -44,6 +44,32 @@ SGLANG_OVERRIDES=()
 [ -n "${RL_SGLANG_PYTHONPATH:-}" ] && SGLANG_OVERRIDES+=("+engine.sglang.env.PYTHONPATH=$RL_SGLANG_PYTHONPATH")
 [ -n "${RL_SGLANG_PYTHONPATH:-}" ] && [ "${SGLANG_DENSE:-1}" = 1 ] && SGLANG_OVERRIDES+=(
   "++engine.sglang.args.attention-backend=triton" "++engine.sglang.args.sampling-backend=pytorch")
+# Several runs side by side (launch/gpu/opd.sh, long_horizon.sh): RUNS holds one `run_name|overrides` a line.
+shared_gpu_args() {  # MICRO_BATCH_TOKENS MEM_FRACTION: SHARED_ARGS for runs that share the GPU (empty for one run)
+  SHARED_ARGS=()
+  if [ "$(grep -c . <<<"$RUNS")" -gt 1 ]; then
+    SHARED_ARGS=(trainer.micro_batch_tokens="$1" engine.sglang.args.mem-fraction-static="$2")
+  fi
+}
+start_runs() {  # COMMAND...: one process per RUNS line, with run_name and the line's overrides after COMMAND, its
+  # output prefixed with [run_name]; sets RUN_PIDS and RUN_NAMES
+  RUN_PIDS=() RUN_NAMES=()
+  local name extra
+  while IFS='|' read -r name extra; do
+    [ -n "$name" ] || continue
+    # shellcheck disable=SC2086  # extra: space-separated Hydra overrides of this run
+    "$@" run_name="$name" $extra > >(sed -u "s/^/[$name] /") 2>&1 &
+    RUN_PIDS+=($!) RUN_NAMES+=("$name")
+  done <<<"$RUNS"
+}
+wait_runs() {  # LABEL COLLECT: wait for each run, then `COLLECT run_name`; fails if any run failed
+  local rc=0 i
+  for i in "${!RUN_PIDS[@]}"; do
+    wait "${RUN_PIDS[$i]}" || { rc=1; echo "$1: run ${RUN_NAMES[$i]} failed"; }
+    "$2" "${RUN_NAMES[$i]}"
+  done
+  return $rc
+}
 copy_run_outputs() {  # RUN_DIR: metrics, summary, config, curves, the audit's and SGLang logs' tails → $OUT
   local run=$1 out=${OUT:-/tmp} f
   for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$run/$f" ] && cp "$run/$f" "$out/"; done
