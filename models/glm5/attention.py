@@ -56,6 +56,9 @@ class AttnContext:
     # [B, S] packed rows (models/batching.py): the key index where each query's sample begins, the lower bound of
     # the keys it may see (its upper bound is query_index); None = one sample a row
     query_start: torch.Tensor | None = None
+    # {full layer: [B, S] the indexer's top-k margin of each query} filled where a layer ran its indexer, when
+    # not None (an engine recording the rows whose selection another implementation could make differently)
+    margins: dict | None = None
     _bounds: torch.Tensor | None = field(default=None, repr=False)
 
     def key_bounds(self) -> torch.Tensor:
@@ -259,7 +262,8 @@ class MLA(nn.Module):
                 replay: torch.Tensor | None = None, shared_kv: SharedKV | None = None,
                 share_selection: bool = True) -> AttnOut:
         """x [B, S, D] (already input-normed). `carry`: the last full layer's selection (shared layers).
-        `replay` [B, S, k]: use these key indices instead of running the indexer (train = rollout).
+        `replay` [B, S, k]: use these key indices instead of running the indexer (train = rollout); a row of −1
+        only is not replayed: that query selects for itself (a partial replay: rollout/indexer_replay.py).
         `shared_kv`: attend over these latents instead of our own (MTP steps ≥ 2); with `share_selection` their
         selection is reused too, else our indexer scores our queries against their index keys."""
         queries = self.queries(x, ctx.cos, ctx.sin)
@@ -285,19 +289,29 @@ class MLA(nn.Module):
             else:
                 selection = self._run_indexer(x, c_q, index_keys, ctx)
         else:
-            need_keys = cache is not None or (replay is None and num_keys > self.indexer.topk)
+            replayed = None  # [B, S] the rows a partial replay gives (None: all of them, or no replay)
+            if replay is not None:
+                replayed = (replay >= 0).any(-1)
+                if bool(replayed.all()):
+                    replayed = None
+                elif not bool(replayed.any()):
+                    replay, replayed = None, None
+            own = replay is None or replayed is not None  # some rows select for themselves
+            need_keys = cache is not None or (own and num_keys > self.indexer.topk)
             if need_keys:
                 with torch.no_grad():
                     index_keys = self.indexer.keys(x, ctx.cos, ctx.sin)
                     if cache is not None:
                         index_keys = cache.update(index_keys, index_keys[..., :0],
                                                   ctx.index_slot_offset + self.layer_idx)[0]
-            if replay is not None:
+            if not own:
                 selection = replay
             elif num_keys <= self.indexer.topk:
                 selection = None  # every causal key fits: dense
             else:
                 selection = self._run_indexer(x, c_q, index_keys, ctx)
+            if replayed is not None:
+                selection = merge_replay(replay, replayed, selection, ctx, num_keys)
             if ctx.indexer_loss is not None:
                 loss = self._indexer_loss(x, c_q, self.absorb(queries), latents, selection, ctx)
 
@@ -313,8 +327,13 @@ class MLA(nn.Module):
 
     @torch.no_grad()
     def _run_indexer(self, x, c_q, index_keys, ctx: AttnContext) -> torch.Tensor:
-        return self.indexer.select(self.indexer.queries(c_q, ctx.cos, ctx.sin), self.indexer.head_weights(x),
-                                   index_keys, ctx.query_index, ctx.key_mask, ctx.key_bounds(), ctx.query_start)
+        out = self.indexer.select(self.indexer.queries(c_q, ctx.cos, ctx.sin), self.indexer.head_weights(x),
+                                  index_keys, ctx.query_index, ctx.key_mask, ctx.key_bounds(), ctx.query_start,
+                                  margins=ctx.margins is not None)
+        if ctx.margins is None:
+            return out
+        ctx.margins[self.layer_idx] = out[1]
+        return out[0]
 
     def _indexer_loss(self, x, c_q, q, latents, selection, ctx: AttnContext):
         """DSA warm-up KL on detached inputs (gradient reaches only the indexer)."""
@@ -385,3 +404,15 @@ def materialize_selection(selection: torch.Tensor | None, query_index: torch.Ten
     if query_start is not None:
         ok = ok & (selection >= query_start[..., None])
     return torch.where(ok, selection, torch.full_like(selection, -1))
+
+
+def merge_replay(replay: torch.Tensor, replayed: torch.Tensor, own: torch.Tensor | None, ctx: AttnContext,
+                 num_keys: int) -> torch.Tensor:
+    """A partial replay: the replayed rows' key indices where `replayed` [B, S], the layer's own selection (None:
+    every causal key) elsewhere, in one [B, S, k] (the narrower side padded with −1)."""
+    if own is None:
+        own = causal_indices(ctx.query_index, ctx.key_mask, num_keys, ctx.query_start)
+    width = max(own.shape[-1], replay.shape[-1])
+    own = F.pad(own, (0, width - own.shape[-1]), value=-1)
+    replay = F.pad(replay, (0, width - replay.shape[-1]), value=-1)
+    return torch.where(replayed[..., None], replay, own)

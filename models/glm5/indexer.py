@@ -92,8 +92,13 @@ class Indexer(nn.Module):
     @torch.no_grad()
     def select(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, query_index: torch.Tensor,
                key_mask: torch.Tensor | None, bounds: torch.Tensor | None = None,
-               query_start: torch.Tensor | None = None) -> torch.Tensor:
+               query_start: torch.Tensor | None = None, margins: bool = False):
         """Streaming top-k → key indices [B, S, min(topk, T)] on the cache axis, −1 where no valid key was left.
+
+        `margins=True` also returns each query's margin [B, S], I_(k) − I_(k+1): how far its k-th best score is
+        above the best key left out (+inf where every valid key fits). A row whose margin exceeds twice the
+        largest score error between two implementations selects the same keys in both; only the others can
+        differ (rollout/indexer_replay.py replays just those). The selection itself is computed as without it.
 
         q [B, S, H_I, d_I], w [B, S, H_I], k [B, T, d_I] (the cached keys plus the new ones), query_index [B, S]
         the queries' own positions on the cache axis, key_mask [B, T] (1 = real token) or None, bounds
@@ -107,6 +112,7 @@ class Indexer(nn.Module):
             scale = self.n_heads ** -0.5
             q, k, w = fp8_act_quant(q), fp8_act_quant(k), (w / scale).to(torch.bfloat16).float() * scale
         out = torch.full((b, s, width), -1, dtype=torch.long, device=q.device)
+        margin = torch.full((b, s), float("inf"), device=q.device) if margins else None
         chunk, key_block = self.blocks["fused" if kernels.usable(q) else "torch"]
         # keys past a chunk's last query are invisible to all of it
         key_ends = chunk_key_ends(key_bounds(query_index) if bounds is None else bounds, chunk)
@@ -116,6 +122,8 @@ class Indexer(nn.Module):
             q_c, w_c = q[:, a:a + chunk], w[:, a:a + chunk]
             best_v = torch.full((b, qi.shape[1], width), float("-inf"), device=q.device)
             best_i = torch.full((b, qi.shape[1], width), -1, dtype=torch.long, device=q.device)
+            # the k + 1 best scores, kept apart so that the selection's own top-k (and its ties) stay untouched
+            runner = torch.full((b, qi.shape[1], width + 1), float("-inf"), device=q.device) if margins else None
             for t0 in range(0, key_end, key_block):
                 t1 = min(t0 + key_block, key_end)
                 pos = torch.arange(t0, t1, device=q.device)
@@ -130,8 +138,13 @@ class Indexer(nn.Module):
                 cand_i = torch.cat([best_i, pos.expand(b, qi.shape[1], -1)], dim=-1)
                 best_v, top = cand_v.topk(width, dim=-1)
                 best_i = cand_i.gather(-1, top)
+                if margins:
+                    runner = torch.cat([runner, v], dim=-1).topk(width + 1, dim=-1).values
             out[:, a:a + qi.shape[1]] = best_i.masked_fill(best_v == float("-inf"), -1)
-        return out
+            if margins:  # no (k+1)-th valid key: nothing was left out, so nothing can differ
+                kth, next_ = runner[..., width - 1], runner[..., width]
+                margin[:, a:a + qi.shape[1]] = torch.where(next_ == float("-inf"), float("inf"), kth - next_)
+        return (out, margin) if margins else out
 
 
 def causal_indices(query_index: torch.Tensor, key_mask: torch.Tensor | None, num_keys: int,

@@ -9,7 +9,8 @@ shared layers follow their full layer's (replayed) selection. Key indices live o
 training forward without cache and without left padding that is the token's position in the sequence (0-based),
 so whatever an engine reports (SGLang: `--enable-return-indexer-topk`) must be mapped to sequence positions
 first. Entries may be int32 or int64, in any width; −1, keys after the query and padding keys are ignored;
-entries must not repeat (a repeated key would be attended twice).
+entries must not repeat (a repeated key would be attended twice). A row of −1 only is not replayed: that query
+selects its keys itself (a partial replay, of the rows whose choice could differ: rollout/indexer_replay.py).
 With `return_routing=True` the output carries the same two dicts as computed (or replayed), canonicalised: every
 slot the query could not attend to is −1, and layers whose keys all fit in top-k list their full causal prefix.
 
@@ -52,6 +53,8 @@ class Glm5ModelOutput:
     indexer_topk: dict[int, torch.Tensor] | None = None
     routed_experts: dict[int, torch.Tensor] | None = None
     indexer_loss: torch.Tensor | None = None  # mean over full layers of the mean per-token KL
+    # {full layer: [B, S] top-k margin} where the layer ran its indexer (`indexer_margins=True`; Indexer.select)
+    indexer_margins: dict[int, torch.Tensor] | None = None
 
     @property
     def cache(self):
@@ -111,10 +114,12 @@ class Glm5Model(nn.Module):
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 indexer_topk: dict[int, torch.Tensor] | None = None,
                 routed_experts: dict[int, torch.Tensor] | None = None, return_routing: bool = False,
-                indexer_loss: str | None = None, return_dict: bool = True) -> Glm5ModelOutput:
+                indexer_loss: str | None = None, indexer_margins: bool = False,
+                return_dict: bool = True) -> Glm5ModelOutput:
         """input_ids [B, S] (or inputs_embeds [B, S, D]); attention_mask [B, T] 1/0 over cached + new tokens;
         position_ids [B, S] RoPE positions (default: cache length + arange(S)); see the module docstring for
-        the cache and replay arguments. `indexer_loss`: None, "dense" or "sparse" (DSA warm-up KL)."""
+        the cache and replay arguments. `indexer_loss`: None, "dense" or "sparse" (DSA warm-up KL).
+        `indexer_margins`: report each full layer's top-k margins (Indexer.select) where it ran its indexer."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -140,7 +145,7 @@ class Glm5Model(nn.Module):
             key_mask = None if bool(attention_mask.bool().all()) else attention_mask.bool()
         cos, sin = rope_angles(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
         ctx = AttnContext(cos, sin, query_index, key_mask, cache, len(self.layers), indexer_loss,
-                          query_start=query_start)
+                          query_start=query_start, margins={} if indexer_margins else None)
 
         n = self.config.num_hidden_layers
         indexer_topk, routed_experts = indexer_topk or {}, routed_experts or {}
@@ -170,7 +175,7 @@ class Glm5Model(nn.Module):
             last_hidden_state=self.norm(h), past_key_values=cache,
             indexer_topk=topk_out if return_routing else None,
             routed_experts=experts_out if return_routing else None,
-            indexer_loss=torch.stack(losses).mean() if losses else None)
+            indexer_loss=torch.stack(losses).mean() if losses else None, indexer_margins=ctx.margins)
 
     @staticmethod
     def _run_layer(layer, h, ctx, carry, replay_t, replay_e, record):
@@ -260,7 +265,8 @@ class Glm5ForCausalLM(_Glm5Base):
                 indexer_topk: dict[int, torch.Tensor] | None = None,
                 routed_experts: dict[int, torch.Tensor] | None = None, return_routing: bool = False,
                 indexer_loss: str | None = None, mtp_steps: int = 0, mtp_tv_weight: float = 0.0,
-                loss_chunk_rows: int = 1024, return_dict: bool = True) -> Glm5CausalLMOutput:
+                loss_chunk_rows: int = 1024, indexer_margins: bool = False,
+                return_dict: bool = True) -> Glm5CausalLMOutput:
         """HF-style causal LM forward. `logits_to_keep`: 0 = every position, n > 0 = the last n, a tensor = those
         positions, None = no logits (loss-only training calls). `labels` [B, S] (−100 ignored): mean next-token
         CE, computed in checkpointed row chunks of the LM head. `mtp_steps` > 0 (full-sequence training only): the
@@ -269,7 +275,7 @@ class Glm5ForCausalLM(_Glm5Base):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, indexer_topk=indexer_topk, routed_experts=routed_experts,
-                         return_routing=return_routing, indexer_loss=indexer_loss)
+                         return_routing=return_routing, indexer_loss=indexer_loss, indexer_margins=indexer_margins)
         h = out.last_hidden_state
         logits = None
         if logits_to_keep is not None:

@@ -88,6 +88,17 @@ def train_world(world: int, model: str, role: str, zero: int, tmp_path, ep: int 
         return pickle.load(f)
 
 
+_ONE_RANK: dict[tuple[str, str], dict] = {}
+
+
+def one_rank_reference(model: str, role: str, tmp_path_factory) -> dict:
+    """One rank's step for (model, role): it depends on nothing else, so the parametrisations that share it
+    train it once (a world of one costs a process start, a model load and a step)."""
+    if (model, role) not in _ONE_RANK:
+        _ONE_RANK[model, role] = train_world(1, model, role, 0, tmp_path_factory.mktemp("one-rank"))
+    return _ONE_RANK[model, role]
+
+
 def test_shards_balance_tokens():
     samples = [{"token_ids": [0] * n} for n in (50, 10, 40, 30, 20, 5)]
     shards = shard_by_tokens(samples, 2)
@@ -112,10 +123,10 @@ def test_shards_balance_tokens():
     ("actor-late", "glm52-tiny", 4, 3, 1, 2),
     # the supervised cold start (rl.sft) on the same ranks, ZeRO-3
     ("sft", "tiny-random", 2, 3, 1, 1)])
-def test_n_ranks_equal_one_rank(role, model, world, zero, ep, sp, tmp_path):
+def test_n_ranks_equal_one_rank(role, model, world, zero, ep, sp, tmp_path, tmp_path_factory):
     # The reference is one rank without ZeRO (plain DDP-free training), so a fault of a ZeRO stage itself shows
     # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
-    one = train_world(1, model, role, 0, tmp_path)
+    one = one_rank_reference(model, role, tmp_path_factory)
     many = train_world(world, model, role, zero, tmp_path, ep, sp)
     # actor-replay: the engine's routed experts replayed in every forward (packed rows, ZeRO-3)
     prefix = "critic" if role == "critic" else "actor"
