@@ -9,7 +9,9 @@ between two decode steps, the weights change, and it continues on the new ones w
 
 With `return_routed_experts` (a MoE policy: GLM-5.2), each result also carries the experts every position was
 routed to (`meta["routed_experts"]`, int16 [prompt + output − 1, layers, k], SGLang's layout: every position the
-model ran, the last sampled token excepted; −1 in the dense layers), for the trainer to replay.
+model ran, the last sampled token excepted; −1 in the dense layers), for the trainer to replay. With
+`indexer_replay_margin` τ > 0 (GLM-5.2), it carries the indexer's selection of every query whose top-k margin was
+under τ (`meta["indexer_replay"]`, rollout/indexer_replay.py), on the sequence's own positions.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Mapping
 
 import torch
 
+from rollout import indexer_replay
 from rollout.sampling import processed_logprobs, sample, verify_drafts
 from rollout.types import GenerateResult, SamplingParams
 
@@ -64,6 +67,7 @@ class _Batch:
     out_ver: list[list[int]]  # the weight version that sampled each output token
     finish: list[str | None]
     routing: list[list[torch.Tensor]] = field(default_factory=list)  # per row: [positions, layers, k] chunks
+    indexer: list[list[dict]] = field(default_factory=list)  # per row: its fragile indexer rows, per forward
 
     @property
     def done(self) -> bool:
@@ -77,14 +81,24 @@ class _Batch:
 class LocalEngine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch_size: int = 16,
                  gather_window_s: float = 0.02, weight_version: int = 0, speculative_steps: int = 0,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, indexer_replay_margin: float = 0.0):
         self.model = model.eval()
         self.return_routed_experts = return_routed_experts
         if return_routed_experts and "return_routing" not in inspect.signature(model.forward).parameters:
             raise ValueError(f"engine.return_routed_experts: {type(model).__name__} reports no expert routing "
                              "(a MoE policy such as GLM-5.2 does)")
+        self.indexer_replay_margin = indexer_replay_margin
+        if indexer_replay_margin > 0:
+            if "indexer_margins" not in inspect.signature(model.forward).parameters:
+                raise ValueError(f"engine.indexer_replay_margin: {type(model).__name__} has no sparse-attention "
+                                 "indexer (a GLM-5.2 policy has)")
+            if speculative_steps:
+                raise ValueError("engine.indexer_replay_margin is not recorded under speculative decoding yet: "
+                                 "set engine.speculative_steps=0")
         # the model's keyword for its routing, and the layer count of the routing it reports
         self._routing_kw = {"return_routing": "experts"} if return_routed_experts else {}
+        if indexer_replay_margin > 0:
+            self._routing_kw = {"return_routing": True, "indexer_margins": True}
         self._num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)
         # > 0: draft this many tokens per round with the model's MTP layer (GLM-5.2) and verify them at once
         self.speculative_steps = speculative_steps
@@ -337,7 +351,8 @@ class LocalEngine:
                       torch.tensor([s.top_k for s in sp], dtype=torch.long, device=self.device), temperature <= 0,
                       generators, max_new, [set() if s.ignore_eos else set(s.stop_token_ids) for s in sp],
                       [[] for _ in batch], [[] for _ in batch], [[] for _ in batch],
-                      ["length" if m == 0 else None for m in max_new], [[] for _ in batch])
+                      ["length" if m == 0 else None for m in max_new], [[] for _ in batch],
+                      [[] for _ in batch])
 
     def _emit(self, b: _Batch, i: int, token: int, logprob: float) -> bool:
         """Append one sampled token to row i unless the row has finished (then False); mark it finished when it
@@ -370,7 +385,24 @@ class LocalEngine:
             for i, (r, result) in enumerate(zip(b.requests, results)):
                 ran = len(r.input_ids) + len(b.out_ids[i]) - 1
                 result.meta["routed_experts"] = torch.cat(b.routing[i])[:ran].numpy()
+        if self.indexer_replay_margin > 0:
+            k = self.model.config.index_topk
+            for i, (r, result) in enumerate(zip(b.requests, results)):
+                ran = len(r.input_ids) + len(b.out_ids[i]) - 1
+                result.meta["indexer_replay"] = indexer_replay.concat(b.indexer[i], k, below=ran)
         return results
+
+    def _record_indexer(self, b: _Batch, out, first_column: int) -> None:
+        """Keep each row's queries of this forward whose indexer margin is under τ (rollout/indexer_replay.py),
+        moved from the cache axis (left padding included) to the row's own positions."""
+        if self.indexer_replay_margin <= 0:
+            return
+        pad = b.ids.shape[1] - torch.tensor([len(r.input_ids) for r in b.requests], device=b.ids.device)
+        s = next(iter(out.indexer_topk.values())).shape[1]
+        positions = first_column + torch.arange(s, device=pad.device)[None] - pad[:, None]
+        for i, rows in enumerate(indexer_replay.fragile_rows(out.indexer_topk, out.indexer_margins,
+                                                             self.indexer_replay_margin, positions, pad)):
+            b.indexer[i].append(rows)
 
     def _record_routing(self, b: _Batch, out, columns) -> None:
         """Append each row's routing of this forward's positions `columns(i)` (a slice of the forward's) to the
@@ -408,6 +440,7 @@ class LocalEngine:
                          logits_to_keep=1, **{self._cache_kwarg: cache}, **self._routing_kw)
         width = b.ids.shape[1]  # left padding: row i's prompt is its last len(input_ids) columns
         self._record_routing(b, out, lambda i: slice(width - len(b.requests[i].input_ids), width))
+        self._record_indexer(b, out, 0)
         return out, self._sample_and_emit(b, out.logits[:, -1].float())
 
     @torch.inference_mode()
@@ -428,6 +461,7 @@ class LocalEngine:
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
                              use_cache=True, **{self._cache_kwarg: cache}, **self._routing_kw)
             self._record_routing(b, out, lambda i: slice(0, 1))
+            self._record_indexer(b, out, mask.shape[1] - 1)
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
             tokens = self._sample_and_emit(b, logits)

@@ -1,0 +1,90 @@
+"""Margin-gated indexer replay: ship the engine's DSA key selection only for the rows whose choice the trainer
+could make differently.
+
+Replaying the indexer whole costs k key indices per token and full layer (GLM-5.2: 2,048 × 4 bytes, ~87 KB a
+token over its full layers, and SGLang's generation 8-11× slower when it returns them). But two implementations
+of the same indexer on the same weights and tokens differ only by their scores' rounding (precision of q, k and
+the head gates, accumulation order) and by how they break ties. If each score is off by at most ε, a query
+whose k-th best score exceeds the best key left out by more than 2ε, its *margin* I_(k) − I_(k+1)
+(`Indexer.select(margins=True)`), selects the same keys on both sides. So the engine records only the rows with
+margin < τ (τ ≥ 2ε, chosen from a measured ε), and the trainer replays those rows and selects the rest itself
+(a row of −1 in the model's `indexer_topk`: a partial replay).
+
+Format, per generation (`meta["indexer_replay"]`), on the sequence's own positions (the engine's left padding
+and cache offsets removed), as compact numpy arrays:
+
+    positions  int32 [n]     the query's position in prompt + output
+    layers     int16 [n]     the full indexer layer
+    keys       int32 [n, k]  its selected keys' positions, −1 for an empty slot
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FIELDS = ("positions", "layers", "keys")
+
+
+def empty_rows(k: int) -> dict[str, np.ndarray]:
+    return {"positions": np.zeros(0, np.int32), "layers": np.zeros(0, np.int16), "keys": np.zeros((0, k), np.int32)}
+
+
+def fragile_rows(topk: dict[int, torch.Tensor], margins: dict[int, torch.Tensor], tau: float,
+                 positions: torch.Tensor, key_offset: torch.Tensor) -> list[dict[str, np.ndarray]]:
+    """The rows of one forward under the margin τ, one dict per batch row. `topk` {layer: [B, S, k]} on the cache
+    axis (−1 empty), `margins` {layer: [B, S]} (the layers that ran their indexer), `positions` [B, S] each
+    query's sequence position, `key_offset` [B] what to subtract from a cache index to get a sequence position
+    (the row's left padding)."""
+    b = positions.shape[0]
+    k = max((t.shape[-1] for t in topk.values()), default=0)
+    parts: list[list[tuple]] = [[] for _ in range(b)]
+    for layer, margin in sorted(margins.items()):
+        rows, cols = torch.nonzero((margin < tau) & (positions >= 0), as_tuple=True)  # never a padding query
+        if rows.numel() == 0:
+            continue
+        sel = topk[layer][rows, cols]
+        keys = torch.where(sel >= 0, sel - key_offset[rows, None], -1)
+        keys = torch.nn.functional.pad(keys, (0, k - keys.shape[-1]), value=-1).to(torch.int32).cpu().numpy()
+        pos = positions[rows, cols].to(torch.int32).cpu().numpy()
+        for r in range(b):
+            mine = (rows == r).cpu().numpy()
+            if mine.any():
+                parts[r].append((pos[mine], np.full(int(mine.sum()), layer, np.int16), keys[mine]))
+    return [concat([{"positions": p, "layers": l, "keys": kk} for p, l, kk in row], k) for row in parts]
+
+
+def concat(parts: list[dict[str, np.ndarray]], k: int, below: int | None = None) -> dict[str, np.ndarray]:
+    """One dict of several (a generation's forwards), keeping the rows at positions < `below` if given."""
+    parts = [p for p in parts if len(p["positions"])]
+    if not parts:
+        return empty_rows(k)
+    out = {f: np.concatenate([p[f] for p in parts]) for f in FIELDS}
+    if below is not None:
+        keep = out["positions"] < below
+        out = {f: v[keep] for f, v in out.items()}
+    return out
+
+
+def dense_replay(rows: dict[str, np.ndarray], length: int, offset: int = 0, batch: int = 1, row: int = 0,
+                 into: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+    """The model's `indexer_topk` for a forward of `length` positions: {layer: [batch, length, k]}, −1 rows (select
+    for yourself) except the recorded ones, whose queries and keys move by `offset` (a sample placed at column
+    `offset` of a packed `row`). `into`: add to these tensors (several samples of one packed batch)."""
+    into = {} if into is None else into
+    if not len(rows["positions"]):
+        return into
+    k = rows["keys"].shape[1]
+    for layer in np.unique(rows["layers"]):
+        sel = rows["layers"] == layer
+        t = into.get(int(layer))
+        if t is None:
+            t = into[int(layer)] = torch.full((batch, length, k), -1, dtype=torch.int32)
+        pos = torch.from_numpy(rows["positions"][sel].astype(np.int64)) + offset
+        keys = torch.from_numpy(rows["keys"][sel])
+        t[row, pos] = torch.where(keys >= 0, keys + offset, -1)
+    return into
+
+
+def nbytes(rows: dict[str, np.ndarray]) -> int:
+    return sum(int(rows[f].nbytes) for f in FIELDS)
