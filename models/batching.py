@@ -30,8 +30,13 @@ import torch
 # Integer per-token fields and their dtypes; every other per-token field travels as float32. `routed_experts`
 # ([tokens, layers, k] expert ids the rollout engine chose, −1 where it ran no position: the model's own routing)
 # keeps its trailing axes; the other fields are 1-D.
-_INT_FIELDS = {"token_ids": torch.long, "routed_experts": torch.int16}
-_FILL = {"routed_experts": -1}  # the value of positions a field does not cover (padding, a row's tail)
+_INT_FIELDS = {"token_ids": torch.long, "routed_experts": torch.int16, "indexer_topk": torch.int32}
+_FILL = {"routed_experts": -1, "indexer_topk": -1}  # the value of positions a field does not cover (padding, tails)
+# Per-sample fields: not one row per token but one object per sample, made into a micro-batch tensor there.
+# `indexer_replay` (rollout/indexer_replay.py: the few indexer rows an engine shipped, sparse) becomes
+# `indexer_topk` [b, L, full layers, k], −1 rows (select for yourself) except the replayed ones, its keys moved to
+# the sample's place in its row; `MicroBatch.indexer_layers` names the layer of each slice.
+SAMPLE_FIELDS = {"indexer_replay": "indexer_topk"}
 
 
 def field_dtype(name: str) -> torch.dtype:
@@ -44,13 +49,15 @@ class TokenBatch:
 
     lengths: list[int]
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_sample: dict[str, list] = field(default_factory=dict)  # SAMPLE_FIELDS: one object (or None) a sample
 
     @classmethod
     def from_samples(cls, samples: list[dict], names: tuple[str, ...] = ()) -> "TokenBatch":
         """`token_ids` and the per-token fields `names` of every sample (lists or 1-D tensors)."""
         lengths = [len(s["token_ids"]) for s in samples]
         fields = {}
-        for name in ("token_ids", *names):
+        per_sample = {name: [s.get(name) for s in samples] for name in names if name in SAMPLE_FIELDS}
+        for name in ("token_ids", *(n for n in names if n not in SAMPLE_FIELDS)):
             dtype = field_dtype(name)
             parts = [torch.as_tensor(s[name], dtype=dtype) for s in samples]
             parts = [p if p.dim() > 1 else p.reshape(-1) for p in parts]
@@ -58,7 +65,7 @@ class TokenBatch:
                 if p.shape[0] != n:
                     raise ValueError(f"sample field {name!r} has {p.shape[0]} rows for {n} tokens")
             fields[name] = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
-        return cls(lengths, fields)
+        return cls(lengths, fields, per_sample)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -76,7 +83,7 @@ class TokenBatch:
         return sum(self.lengths)
 
     def has(self, name: str) -> bool:
-        return name in self.fields
+        return name in self.fields or any(v is not None for v in self.per_sample.get(name, ()))
 
     def sample(self, i: int, name: str) -> torch.Tensor:
         start = self.offsets[i]
@@ -89,7 +96,8 @@ class TokenBatch:
         for name, t in self.fields.items():
             parts = [t[offsets[i]:offsets[i] + self.lengths[i]] for i in indices]
             fields[name] = torch.cat(parts) if parts else t[:0]
-        return TokenBatch([self.lengths[i] for i in indices], fields)
+        per_sample = {name: [v[i] for i in indices] for name, v in self.per_sample.items()}
+        return TokenBatch([self.lengths[i] for i in indices], fields, per_sample)
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat per-token tensor (this batch's layout) → one tensor per sample."""
@@ -107,7 +115,8 @@ def as_token_batch(samples, names: tuple[str, ...]) -> TokenBatch:
             trailing = torch.as_tensor(having[0]).shape[1:]
             samples = [s if name in s else {**s, name: torch.full((len(s["token_ids"]), *trailing), _FILL[name],
                                                                    dtype=field_dtype(name))} for s in samples]
-    present = tuple(n for n in names if samples and all(n in s for s in samples))
+    present = tuple(n for n in names if samples and (all(n in s for s in samples)
+                                                     or (n in SAMPLE_FIELDS and any(n in s for s in samples))))
     return TokenBatch.from_samples(samples, present)
 
 
@@ -120,6 +129,12 @@ class MicroBatch:
     starts: list[tuple[int, int]] = field(default_factory=list)  # (row, column) where each sample begins
     # sequence parallelism: this rank's chunk of the positions (models/glm5/sequence_parallel.SequenceShard)
     sequence: object | None = None
+    indexer_layers: list[int] = field(default_factory=list)  # the layer of each slice of tensors["indexer_topk"]
+
+    def indexer_topk(self) -> dict[int, torch.Tensor] | None:
+        """The model's `indexer_topk` replay ({full layer: [b, L, k]}), or None where no sample shipped rows."""
+        t = self.tensors.get("indexer_topk")
+        return None if t is None else {layer: t[:, :, j] for j, layer in enumerate(self.indexer_layers)}
 
     @property
     def position_ids(self) -> torch.Tensor | None:
@@ -137,7 +152,8 @@ class MicroBatch:
                    for k, v in self.tensors.items()}
         if self.packed:
             tensors["position_ids"][:, -extra:] = torch.arange(extra, device=tensors["position_ids"].device)
-        return MicroBatch(self.indices, self.lengths, tensors, self.packed, self.starts)
+        return MicroBatch(self.indices, self.lengths, tensors, self.packed, self.starts,
+                          indexer_layers=self.indexer_layers)
 
     def sample_ids(self) -> torch.Tensor:
         """[b, L] which of its samples each position belongs to (0.., in `indices` order; −1: padding), so that a
@@ -159,7 +175,7 @@ def padding_micro_batch(fields: tuple[str, ...] = (), device: str | torch.device
     """One row of two tokens, every per-token field 0; its loss is multiplied by 0 (gradients of 0 everywhere).
     Replay fields are left out: the model routes the padding row itself."""
     tensors = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
-               **{name: torch.zeros(1, 2) for name in fields if name not in _FILL}}
+               **{name: torch.zeros(1, 2) for name in fields if name not in _FILL and name not in SAMPLE_FIELDS}}
     if packed:
         tensors["position_ids"] = torch.arange(2).unsqueeze(0)
     return MicroBatch([], [], {k: v.to(device) for k, v in tensors.items()}, packed)
@@ -225,6 +241,8 @@ def make_micro_batches(samples, fields: tuple[str, ...] = (), max_tokens: int = 
     each holding at most `max_tokens` positions (rows × width; a sample longer than that gets a micro-batch of
     its own), packed or padded (module docstring)."""
     batch = as_token_batch(samples, fields)
+    sparse = [n for n in fields if n in SAMPLE_FIELDS and batch.has(n)]
+    fields = tuple(n for n in fields if n not in SAMPLE_FIELDS)
     lengths, offsets = batch.lengths, batch.offsets
     # each micro-batch as rows of sample indices: several a row when packed, one when padded
     layouts = (_pack_groups(lengths, max_tokens) if packed
@@ -259,8 +277,36 @@ def make_micro_batches(samples, fields: tuple[str, ...] = (), max_tokens: int = 
         tensors = {"input_ids": ids, "attention_mask": attn, **tensors}
         if packed:
             tensors["position_ids"] = positions
-        out.append(MicroBatch(indices, sizes, {k: v.to(device) for k, v in tensors.items()}, packed, starts))
+        layers: list[int] = []
+        if "indexer_replay" in sparse:
+            rows_of_samples = [batch.per_sample["indexer_replay"][i] for i in indices]
+            tensors["indexer_topk"], layers = indexer_topk_tensor(rows_of_samples, starts, rows, width)
+        out.append(MicroBatch(indices, sizes, {k: v.to(device) for k, v in tensors.items() if v is not None},
+                              packed, starts, indexer_layers=layers))
     return out
+
+
+def indexer_topk_tensor(samples_rows: list, starts: list[tuple[int, int]], rows: int,
+                        width: int) -> tuple[torch.Tensor | None, list[int]]:
+    """Samples' sparse indexer rows (rollout/indexer_replay.py: positions, layers, keys; None: none shipped) placed
+    at their (row, column) → ([rows, width, full layers, k] int32, −1 where not replayed; the layer list), or
+    (None, []) when no sample has a row."""
+    present = [r for r in samples_rows if r is not None and len(r["positions"])]
+    if not present:
+        return None, []
+    layers = sorted({int(x) for r in present for x in r["layers"]})
+    k = max(r["keys"].shape[1] for r in present)
+    out = torch.full((rows, width, len(layers), k), -1, dtype=torch.int32)
+    slot = {layer: j for j, layer in enumerate(layers)}
+    for r, (row, column) in zip(samples_rows, starts):
+        if r is None or not len(r["positions"]):
+            continue
+        keys = torch.as_tensor(r["keys"], dtype=torch.int32)
+        keys = torch.where(keys >= 0, keys + column, -1)
+        where = torch.as_tensor(r["positions"], dtype=torch.long) + column
+        layer_slots = torch.tensor([slot[int(x)] for x in r["layers"]], dtype=torch.long)
+        out[row, where, layer_slots, :keys.shape[1]] = keys
+    return out, layers
 
 
 def unbatch(batches: list[MicroBatch], outputs: list[torch.Tensor], batch: TokenBatch) -> torch.Tensor:

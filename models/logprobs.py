@@ -33,12 +33,14 @@ def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     return logp, entropy
 
 
-def replay_kwargs(routed_experts: torch.Tensor | None) -> dict:
-    """The model's replay argument for `routed_experts` [B, T, layers, k] (the rollout engine's expert ids, −1
-    where it ran no position): {layer index: [B, T, k]}; the model reads its MoE layers' and ignores the rest."""
+def replay_kwargs(routed_experts: torch.Tensor | None, indexer_topk: dict | None = None) -> dict:
+    """The model's replay arguments: `routed_experts` [B, T, layers, k] (the rollout engine's expert ids, −1
+    where it ran no position) as {layer index: [B, T, k]}, the model reading its MoE layers' and ignoring the
+    rest; `indexer_topk` ({full layer: [B, T, k]}, rows of −1 not replayed) as it is."""
+    out = {"indexer_topk": indexer_topk} if indexer_topk else {}
     if routed_experts is None:
-        return {}
-    return {"routed_experts": {i: routed_experts[:, :, i] for i in range(routed_experts.shape[2])}}
+        return out
+    return {**out, "routed_experts": {i: routed_experts[:, :, i] for i in range(routed_experts.shape[2])}}
 
 
 def _mask_and_positions(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
@@ -58,6 +60,7 @@ def policy_logprobs(
     only: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     routed_experts: torch.Tensor | None = None,
+    indexer_topk: dict | None = None,
     sequence=None,
     head_calls: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +73,8 @@ def policy_logprobs(
     attention mask (the position resets delimit the samples) and `attention_mask` only says which positions
     are real tokens.
     `routed_experts` [B, T, layers, k] (a MoE policy): the experts the rollout engine chose, replayed so that the
-    trainer's forward is the engine's (`replay_kwargs`).
+    trainer's forward is the engine's (`replay_kwargs`). `indexer_topk` ({full layer: [B, T, k]}, a GLM-5.2
+    policy): the indexer rows the engine shipped (rollout/indexer_replay.py), −1 rows selecting for themselves.
     `sequence` (a `models.glm5.sequence_parallel.SequenceShard`): this rank runs its chunk of the positions; the
     result holds its columns (`sequence.owned`), zeros elsewhere (`sequence.combine` sums the ranks' into the whole).
     `head_calls`: run the LM head exactly this many times (`head_calls_needed`, the most any rank needs): under
@@ -83,16 +87,21 @@ def policy_logprobs(
         # transformers' MoE models take **kwargs and would drop it without a word
         raise ValueError(f"{type(model).__name__} takes no routed-expert replay (engine.return_routed_experts is "
                          "for GLM-5.2 policies, models/glm5)")
+    if indexer_topk and "indexer_topk" not in inspect.signature(backbone.forward).parameters:
+        raise ValueError(f"{type(model).__name__} takes no indexer replay (engine.indexer_replay_margin is for "
+                         "GLM-5.2 policies, models/glm5)")
     head = model.get_output_embeddings()
     wanted = only if only is not None else attention_mask
     if sequence is None:
         hidden = backbone(input_ids=input_ids, **_mask_and_positions(attention_mask, position_ids), use_cache=False,
-                          **replay_kwargs(routed_experts)).last_hidden_state[:, :-1]
+                          **replay_kwargs(routed_experts, indexer_topk)).last_hidden_state[:, :-1]
         targets, select = input_ids[:, 1:], wanted[:, 1:] > 0
     else:  # this rank's positions predict the next tokens, the sequence's last one nothing
         hidden = backbone(input_ids=sequence.local(input_ids), cache=sequence,
                           **_local_mask_and_positions(attention_mask, position_ids, sequence),
-                          **replay_kwargs(sequence.local(routed_experts))).last_hidden_state
+                          **replay_kwargs(sequence.local(routed_experts),
+                                          {i: sequence.local(t) for i, t in (indexer_topk or {}).items()})
+                          ).last_hidden_state
         targets, select = sequence.next_token(input_ids), sequence.next_token(wanted) > 0
     inv_t = 1.0 / max(temperature, 1e-6)
     h, y = hidden[select], targets[select]  # [N, H], [N]: the positions that need a prediction

@@ -46,8 +46,9 @@ def needs_reference(algo: AlgorithmConfig) -> bool:
 class ActorWorker(DeepSpeedWorker):
     # The per-token fields train_step reads (besides token_ids); the group sends those the samples have.
     TRAIN_FIELDS = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "staleness",
-                    "routed_experts")
-    LOGPROB_FIELDS = ("loss_mask", "routed_experts")  # compute_logprobs's (routed_experts: MoE replay, if given)
+                    "routed_experts", "indexer_replay")
+    # compute_logprobs's (routed_experts: MoE replay; indexer_replay: the engine's indexer rows, per sample)
+    LOGPROB_FIELDS = ("loss_mask", "routed_experts", "indexer_replay")
 
     def __init__(self, model_path: str, optim: OptimConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None,
@@ -75,12 +76,15 @@ class ActorWorker(DeepSpeedWorker):
         batch = as_token_batch(samples, self.LOGPROB_FIELDS)
         self.module.eval()
         replay = self.all_reduce([float(batch.has("routed_experts"))], "max")[0] > 0
-        batches = self.micro_batches(batch, ("loss_mask",) + (("routed_experts",) if replay else ()))
+        fields = ("loss_mask",) + (("routed_experts",) if replay else ())
+        fields += ("indexer_replay",) if batch.has("indexer_replay") else ()  # changes no collective: local
+        batches = self.micro_batches(batch, fields)
         old, ref = [], []
         for mb in batches:
             args = (mb.tensors["input_ids"], mb.tensors["attention_mask"], self.temperature)
             kwargs = dict(only=mb.tensors["loss_mask"], position_ids=mb.position_ids,
-                          routed_experts=mb.tensors.get("routed_experts"), sequence=mb.sequence,
+                          routed_experts=mb.tensors.get("routed_experts"), indexer_topk=mb.indexer_topk(),
+                          sequence=mb.sequence,
                           head_calls=self.head_calls(mb, mb.tensors["loss_mask"]))
             if with_old:
                 old.append(self.whole(mb, policy_logprobs(self.module, *args, **kwargs)[0]))
@@ -117,6 +121,8 @@ class ActorWorker(DeepSpeedWorker):
             fields += ("ref_logprobs",)
         if self.all_reduce([float(batch.has("routed_experts"))], "max")[0] > 0:
             fields += ("routed_experts",)  # the engine's experts, replayed in the forward (models/glm5/moe.py)
+        if batch.has("indexer_replay"):
+            fields += ("indexer_replay",)  # the engine's fragile indexer rows (rollout/indexer_replay.py)
         self.module.train()
         sums = dict.fromkeys(_SUMMED + (("kl_ref",) if self.reference is not None else ()), 0.0)
         grad_norms, tokens_seen = [], 0.0
@@ -171,7 +177,8 @@ class ActorWorker(DeepSpeedWorker):
                 mask = self.owned(mb, t["loss_mask"])  # under sequence parallelism: the positions of this rank
                 logp, entropy = policy_logprobs(self.module, t["input_ids"], t["attention_mask"], self.temperature,
                                                 with_entropy=True, only=mask, position_ids=mb.position_ids,
-                                                routed_experts=t.get("routed_experts"), sequence=mb.sequence,
+                                                routed_experts=t.get("routed_experts"),
+                                                indexer_topk=mb.indexer_topk(), sequence=mb.sequence,
                                                 head_calls=self.head_calls(mb, t["loss_mask"]))
                 old = t["old_logprobs"] if have_old else logp.detach()
                 weights, keep, corr = rollout_correction(old, t["rollout_logprobs"], mask, a.tis_low, a.tis_high,

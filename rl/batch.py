@@ -35,7 +35,8 @@ def trainable(trajectories: list[Trajectory]) -> tuple[list[Trajectory], Counter
 def to_samples(trajectories: list[Trajectory]) -> list[dict]:
     """One sample per segment; its per-token fields as 1-D tensors (token ids and weight versions as int64, the
     rest float32), and, when the engine reported routing, `routed_experts` (int16 [tokens, layers, k], −1 in a
-    segment that has none: the trainer routes those itself)."""
+    segment that has none: the trainer routes those itself), and `indexer_replay` (the engine's indexer rows under
+    its margin, rollout/indexer_replay.py) where a segment has them."""
     samples = []
     routing_shape = next((s.replay["routed_experts"].shape[1:] for t in trajectories for s in t.segments
                           if s.replay and "routed_experts" in s.replay), None)
@@ -50,6 +51,8 @@ def to_samples(trajectories: list[Trajectory]) -> list[dict]:
                 routing = (s.replay or {}).get("routed_experts")
                 sample["routed_experts"] = (torch.from_numpy(np.array(routing, dtype=np.int16)) if routing is not None
                                             else torch.full((len(s.token_ids), *routing_shape), -1, dtype=torch.int16))
+            if s.replay and s.replay.get("indexer_replay") is not None:  # sparse: one dict a sample, not a row a token
+                sample["indexer_replay"] = s.replay["indexer_replay"]
             samples.append(sample)
     return samples
 
@@ -64,9 +67,10 @@ def mark_staleness(samples: list[dict], version: int) -> None:
 def replay_metrics(samples: list[dict]) -> dict:
     """How much of the routing the trained logprobs depend on came from the engine: `replay/tokens_replayed_frac`,
     over each sample's positions before its last action token (the ones that token's logprob depends on), and
-    the replay data's size per token. Empty without replay."""
+    the replay data's size per token; with indexer replay, its rows and bytes per token. Empty without replay."""
+    out = indexer_replay_metrics(samples)
     if not samples or "routed_experts" not in samples[0]:
-        return {}
+        return out
     replayed = positions = 0
     for s in samples:
         actions = _actions(s)
@@ -74,7 +78,19 @@ def replay_metrics(samples: list[dict]) -> dict:
         replayed += int((s["routed_experts"][:last] >= 0).flatten(1).any(1).sum())
         positions += last
     per_token = samples[0]["routed_experts"][0].numel() * samples[0]["routed_experts"].element_size()
-    return {"replay/tokens_replayed_frac": replayed / max(positions, 1), "replay/bytes_per_token": per_token}
+    return {**out, "replay/tokens_replayed_frac": replayed / max(positions, 1), "replay/bytes_per_token": per_token}
+
+
+def indexer_replay_metrics(samples: list[dict]) -> dict:
+    """`replay/indexer_rows_per_token` (query rows shipped, over all layers) and `replay/indexer_bytes_per_token`
+    (the sparse rows' size) over the samples' tokens; empty when no sample has indexer rows."""
+    having = [s["indexer_replay"] for s in samples if s.get("indexer_replay") is not None]
+    if not having:
+        return {}
+    tokens = max(sum(len(s["token_ids"]) for s in samples), 1)
+    rows = sum(len(r["positions"]) for r in having)
+    size = sum(sum(int(v.nbytes) for v in r.values()) for r in having)
+    return {"replay/indexer_rows_per_token": rows / tokens, "replay/indexer_bytes_per_token": size / tokens}
 
 
 def _by_trajectory(samples: list[dict]) -> dict[int, list[dict]]:

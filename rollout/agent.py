@@ -147,7 +147,8 @@ class AgentEpisode:
             self._request_id = None
         self.timings["generate_s"] += time.perf_counter() - started
         ledger.append_output(result.output_ids, result.output_logprobs, result.versions(),
-                             routing=result.meta.pop("routed_experts", None))
+                             routing=result.meta.pop("routed_experts", None),
+                             indexer_rows=result.meta.pop("indexer_replay", None))
         self.sampled += len(result.output_ids)
         return result
 

@@ -67,6 +67,10 @@ class EngineConfig:
     # π_ref, the update) use them instead of routing again (a MoE policy; SGLang: --enable-return-routed-experts,
     # added to the servers' arguments)
     return_routed_experts: bool = False
+    # Indexer replay (GLM-5.2, the LocalEngine): τ > 0 ships the indexer's selection of every query whose top-k
+    # margin is under τ, and the trainer replays those rows (rollout/indexer_replay.py; docs/DESIGN.md). τ must
+    # be at least twice the largest score difference between the engine's indexer and the trainer's. 0: off.
+    indexer_replay_margin: float = 0.0
     dtype: str = "float32"
     device: str = "auto"  # auto: the worker's GPU when Ray gave it one, else the CPU
     gpus_per_worker: float = 0.0  # Ray GPU share of each rollout worker (fractions colocate it with the trainer)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from models.batching import indexer_topk_tensor
+
 FIELDS = ("positions", "layers", "keys")
 
 
@@ -66,24 +68,12 @@ def concat(parts: list[dict[str, np.ndarray]], k: int, below: int | None = None)
     return out
 
 
-def dense_replay(rows: dict[str, np.ndarray], length: int, offset: int = 0, batch: int = 1, row: int = 0,
-                 into: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
-    """The model's `indexer_topk` for a forward of `length` positions: {layer: [batch, length, k]}, −1 rows (select
-    for yourself) except the recorded ones, whose queries and keys move by `offset` (a sample placed at column
-    `offset` of a packed `row`). `into`: add to these tensors (several samples of one packed batch)."""
-    into = {} if into is None else into
-    if not len(rows["positions"]):
-        return into
-    k = rows["keys"].shape[1]
-    for layer in np.unique(rows["layers"]):
-        sel = rows["layers"] == layer
-        t = into.get(int(layer))
-        if t is None:
-            t = into[int(layer)] = torch.full((batch, length, k), -1, dtype=torch.int32)
-        pos = torch.from_numpy(rows["positions"][sel].astype(np.int64)) + offset
-        keys = torch.from_numpy(rows["keys"][sel])
-        t[row, pos] = torch.where(keys >= 0, keys + offset, -1)
-    return into
+def dense_replay(rows: dict[str, np.ndarray], length: int) -> dict[int, torch.Tensor]:
+    """The model's `indexer_topk` for one sequence of `length` positions: {layer: [1, length, k]}, −1 rows (select
+    for yourself) except the recorded ones. (The trainer's micro-batches place many samples at once:
+    models.batching.indexer_topk_tensor.)"""
+    t, layers = indexer_topk_tensor([rows], [(0, 0)], 1, length)
+    return {} if t is None else {layer: t[:, :, j] for j, layer in enumerate(layers)}
 
 
 def nbytes(rows: dict[str, np.ndarray]) -> int:

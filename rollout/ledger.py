@@ -22,6 +22,9 @@ class TokenLedger:
     # [positions, layers, k] int16: the experts the engine routed each position to (MoE replay), from the latest
     # generation, which ran every position before its last token; None when the engine reports none
     routing: np.ndarray | None = None
+    # the indexer rows under the engine's margin (sparse), each position's from the first generation that ran it
+    indexer_rows: dict | None = None
+    _indexer_ran: int = 0  # positions some generation has run
     _last_output: tuple[int, int] | None = None  # [start, end) of the latest sampled output
 
     def __len__(self) -> int:
@@ -35,10 +38,14 @@ class TokenLedger:
         self.versions += [-1] * len(ids)
 
     def append_output(self, ids: list[int], logprobs: list[float], versions: list[int] | int,
-                      routing=None) -> None:
+                      routing=None, indexer_rows=None) -> None:
         """Tokens the policy sampled, with their behaviour logprobs (loss mask 1) and the weight version that
         sampled each (one int: all of them). `routing` ([positions, layers, k]): the experts of every position the
-        engine ran for this generation, the whole ledger but the last token (SGLang's `routed_experts`)."""
+        engine ran for this generation, the whole ledger but the last token (SGLang's `routed_experts`).
+        `indexer_rows`: the generation's indexer rows under the engine's margin (rollout/indexer_replay.py). Unlike
+        the routing, earlier rows stay: the tokens an earlier generation sampled depend on the choices it made, and
+        a near-tied row can flip when a later generation runs the same positions again (the LocalEngine prefills
+        the whole context anew); the new generation adds the rows of the positions it ran first."""
         if isinstance(versions, int):
             versions = [versions] * len(ids)
         if not len(ids) == len(logprobs) == len(versions):
@@ -51,6 +58,17 @@ class TokenLedger:
         self._last_output = (start, len(self.ids))
         if routing is not None:
             self._record_routing(np.asarray(routing))
+        if indexer_rows is not None:
+            self._record_indexer_rows(indexer_rows, ran_before=self._indexer_ran)
+        self._indexer_ran = len(self.ids) - 1  # every position but the last sampled token has run
+
+    def _record_indexer_rows(self, rows: dict, ran_before: int) -> None:
+        new = rows["positions"] >= ran_before
+        if self.indexer_rows is None:
+            self.indexer_rows = {name: value[new] for name, value in rows.items()}
+            return
+        self.indexer_rows = {name: np.concatenate([self.indexer_rows[name], value[new]])
+                             for name, value in rows.items()}
 
     def _record_routing(self, routing: np.ndarray) -> None:
         """The latest generation's routing replaces what came before: it covers every earlier position, as the
@@ -66,6 +84,7 @@ class TokenLedger:
     def clear(self) -> None:
         self.ids, self.mask, self.logprobs, self.versions, self._last_output = [], [], [], [], None
         self.routing = None
+        self.indexer_rows, self._indexer_ran = None, 0
 
     def mask_last_output(self) -> None:
         if self._last_output:
@@ -82,6 +101,10 @@ class TokenLedger:
         return out
 
     def to_segment(self, rollout_id: str, index: int, segment_type: str) -> Segment:
-        routing = self.routed_experts()
+        replay = {}
+        if (routing := self.routed_experts()) is not None:
+            replay["routed_experts"] = routing
+        if self.indexer_rows is not None:
+            replay["indexer_replay"] = self.indexer_rows
         return Segment(rollout_id, index, list(self.ids), list(self.mask), list(self.logprobs), segment_type,
-                       list(self.versions), None if routing is None else {"routed_experts": routing})
+                       list(self.versions), replay or None)

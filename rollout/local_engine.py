@@ -88,6 +88,8 @@ class LocalEngine:
             raise ValueError(f"engine.return_routed_experts: {type(model).__name__} reports no expert routing "
                              "(a MoE policy such as GLM-5.2 does)")
         self.indexer_replay_margin = indexer_replay_margin
+        if indexer_replay_margin < 0:
+            raise ValueError(f"engine.indexer_replay_margin must be >= 0 (0: off), got {indexer_replay_margin}")
         if indexer_replay_margin > 0:
             if "indexer_margins" not in inspect.signature(model.forward).parameters:
                 raise ValueError(f"engine.indexer_replay_margin: {type(model).__name__} has no sparse-attention "

@@ -55,7 +55,8 @@ class Segment:
     # aligned with token_ids: the weight version that sampled each token, -1 where the policy sampled nothing
     weight_versions: list[int] = field(default_factory=list)
     # MoE replay when the engine reports it: {"routed_experts": int16 [len(token_ids), layers, k]}, the experts the
-    # engine routed each position to, −1 where it ran none (the segment's tail after its last sampled token)
+    # engine routed each position to, −1 where it ran none (the segment's tail after its last sampled token);
+    # "indexer_replay": the indexer rows whose choice could differ, sparse (rollout/indexer_replay.py)
     replay: dict[str, Any] | None = None
 
     def __post_init__(self):
@@ -67,7 +68,11 @@ class Segment:
                              f"({len(self.loss_mask)}), rollout_logprobs ({len(self.rollout_logprobs)}) and "
                              f"weight_versions ({len(self.weight_versions)}) differ")
         for key, value in (self.replay or {}).items():
-            if len(value) != n:
+            if key == "indexer_replay":  # sparse rows (rollout/indexer_replay.py), not a row a token
+                if len(value["positions"]) and int(value["positions"].max()) >= n:
+                    raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: indexer rows at positions "
+                                     f"up to {int(value['positions'].max())} for {n} tokens")
+            elif len(value) != n:
                 raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: replay {key!r} covers "
                                  f"{len(value)} positions for {n} tokens")
 

@@ -69,7 +69,8 @@ class RolloutWorker:
             self.engine = LocalEngine.from_pretrained(model_path, dtype=engine.dtype, device=device,
                                                       max_batch_size=engine.max_batch_size,
                                                       speculative_steps=engine.speculative_steps,
-                                                      return_routed_experts=engine.return_routed_experts)
+                                                      return_routed_experts=engine.return_routed_experts,
+                                                      indexer_replay_margin=engine.indexer_replay_margin)
         self.runtime = EpisodeRuntime(
             engine=self.engine, tokenizer=self.engine.tokenizer, chat=make_chat_format(chat_format),
             parser=make_tool_parser(tool_format, TOOL_SPECS), guard=guard, config=agent,
@@ -196,6 +197,9 @@ def make_sglang_engine(model_path: str, engine: EngineConfig, endpoint: dict) ->
     from models import load_tokenizer
 
     cfg = engine.sglang
+    if engine.indexer_replay_margin > 0:
+        raise ValueError("engine.indexer_replay_margin: SGLang reports no indexer margins; it is the LocalEngine's "
+                         "for now (engine.type=local)")
     replay: dict[str, int] = {}
     if engine.return_routed_experts or cfg.return_indexer_topk:
         model_cfg = json.loads((Path(model_path) / "config.json").read_text())
