@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model and its tokenizer, the shipped tasks; offline settings for every test."""
+"""Shared fixtures: the tiny model and its tokenizer, glm52-tiny, the shipped tasks; offline settings for every test."""
 
 from __future__ import annotations
 
@@ -35,6 +35,21 @@ def tiny_model(tiny_path):
     from models import load_model
 
     return load_model(tiny_path).eval()
+
+
+@pytest.fixture(scope="session")
+def glm52_path() -> str:
+    from models import resolve_model_path
+
+    return str(resolve_model_path("glm52-tiny"))
+
+
+@pytest.fixture(scope="session")
+def glm52_policy(glm52_path):
+    """glm52-tiny as a policy, fp32, eval mode: shared, so never changed (tests that perturb it take a copy)."""
+    from models import load_model
+
+    return load_model(glm52_path, "policy").eval()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import load_model, policy_logprobs, resolve_model_path
+from models import policy_logprobs
 from models.batching import make_micro_batches
 from models.deepspeed_worker import OptimConfig
 from rl.actor import ActorWorker
@@ -21,16 +21,6 @@ from rollout.local_engine import LocalEngine
 from rollout.types import SamplingParams, Trajectory
 
 TAU = 3e-4  # above twice the score error a 0.1% indexer perturbation makes here (1e-4 is not, for one row)
-
-
-@pytest.fixture(scope="module")
-def glm_path() -> str:
-    return str(resolve_model_path("glm52-tiny"))
-
-
-@pytest.fixture(scope="module")
-def engine_model(glm_path):
-    return load_model(glm_path, "policy").eval()
 
 
 def perturbed_indexer(model, scale: float = 1e-3):
@@ -45,9 +35,9 @@ def perturbed_indexer(model, scale: float = 1e-3):
 
 
 @pytest.fixture(scope="module")
-def trajectories(engine_model):
+def trajectories(glm52_policy):
     """Four two-turn episodes through the ledger, as the agent runs them (a closing context the engine never ran)."""
-    engine = LocalEngine(engine_model, max_batch_size=8, indexer_replay_margin=TAU)
+    engine = LocalEngine(glm52_policy, max_batch_size=8, indexer_replay_margin=TAU)
     g = torch.Generator().manual_seed(0)
 
     async def one(i: int) -> Trajectory:
@@ -85,8 +75,8 @@ def max_diff(model, samples, replay: bool, packed: bool) -> float:
     return worst
 
 
-def test_the_segments_carry_the_latest_generations_rows(trajectories, engine_model):
-    k = engine_model.config.index_topk
+def test_the_segments_carry_the_latest_generations_rows(trajectories, glm52_policy):
+    k = glm52_policy.config.index_topk
     for traj in trajectories:
         seg = traj.segments[0]
         rows = seg.replay["indexer_replay"]
@@ -105,18 +95,18 @@ def test_the_segments_carry_the_latest_generations_rows(trajectories, engine_mod
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_replaying_the_rows_gives_a_differently_rounding_trainer_the_engines_logprobs(trajectories, engine_model,
+def test_replaying_the_rows_gives_a_differently_rounding_trainer_the_engines_logprobs(trajectories, glm52_policy,
                                                                                       packed):
     samples = to_samples(trajectories)
-    assert max_diff(engine_model, samples, replay=True, packed=packed) < 1e-5
-    other = perturbed_indexer(engine_model)
+    assert max_diff(glm52_policy, samples, replay=True, packed=packed) < 1e-5
+    other = perturbed_indexer(glm52_policy)
     assert max_diff(other, samples, replay=False, packed=packed) > 1e-3
     assert max_diff(other, samples, replay=True, packed=packed) < 1e-5
 
 
-def test_the_actor_replays_the_rows_in_its_logprob_pass_and_its_update(trajectories, glm_path):
+def test_the_actor_replays_the_rows_in_its_logprob_pass_and_its_update(trajectories, glm52_path):
     samples = to_samples(trajectories)
-    worker = ActorWorker(glm_path, OptimConfig(learning_rate=1e-3, micro_batch_tokens=150),
+    worker = ActorWorker(glm52_path, OptimConfig(learning_rate=1e-3, micro_batch_tokens=150),
                          AlgorithmConfig(use_reference=False), temperature=1.0)
     worker.engine.module.load_state_dict(perturbed_indexer(worker.module).state_dict())
     masks = [s["loss_mask"] > 0 for s in samples]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import load_model, policy_logprobs, resolve_model_path
+from models import policy_logprobs, resolve_model_path
 from models.batching import make_micro_batches
 from rl.actor import ActorWorker
 from rl.batch import replay_metrics, to_samples
@@ -21,16 +21,6 @@ from rollout.types import SamplingParams, Trajectory
 
 TURNS = 2
 NEW_TOKENS = 24  # a context past the tiny model's indexer top-k (16): the sparse path runs
-
-
-@pytest.fixture(scope="module")
-def glm_path() -> str:
-    return str(resolve_model_path("glm52-tiny"))
-
-
-@pytest.fixture(scope="module")
-def engine_model(glm_path):
-    return load_model(glm_path, "policy").eval()
 
 
 def perturbed_router(model, std: float = 0.5):
@@ -74,8 +64,8 @@ def episodes(model, n: int = 3, speculative: int = 0) -> list[Trajectory]:
 
 
 @pytest.fixture(scope="module")
-def trajectories(engine_model):
-    return episodes(engine_model)
+def trajectories(glm52_policy):
+    return episodes(glm52_policy)
 
 
 def max_diff(model, samples, replay: bool, packed: bool) -> float:
@@ -92,10 +82,10 @@ def max_diff(model, samples, replay: bool, packed: bool) -> float:
     return worst
 
 
-def test_the_segment_carries_the_engines_routing(trajectories, engine_model):
+def test_the_segment_carries_the_engines_routing(trajectories, glm52_policy):
     """Every position but those after the last generation has its experts: the MoE layers' from the engine (equal
     to a full forward's routing of the finished sequence), −1 in the dense layers and in the closing context."""
-    config = engine_model.config
+    config = glm52_policy.config
     for traj in trajectories:
         seg = traj.segments[0]
         routing = seg.replay["routed_experts"]
@@ -108,7 +98,7 @@ def test_the_segment_carries_the_engines_routing(trajectories, engine_model):
         moe = [i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"]
         assert (routing[:, dense] == -1).all() and (routing[:last_run, moe] >= 0).all()
         with torch.no_grad():
-            out = engine_model(input_ids=torch.tensor([seg.token_ids[:last_run]]), return_routing=True,
+            out = glm52_policy(input_ids=torch.tensor([seg.token_ids[:last_run]]), return_routing=True,
                                use_cache=False, logits_to_keep=1)
         for layer in moe:
             own = out.routed_experts[layer][0].sort(-1).values
@@ -117,22 +107,22 @@ def test_the_segment_carries_the_engines_routing(trajectories, engine_model):
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_replay_makes_the_trainer_forward_the_engines(trajectories, engine_model, packed):
+def test_replay_makes_the_trainer_forward_the_engines(trajectories, glm52_policy, packed):
     """Same weights: replayed logprobs equal the engine's (1e-5). A trainer whose routers choose otherwise differs
     without replay and equals the engine again with it."""
     samples = to_samples(trajectories)
-    assert max_diff(engine_model, samples, replay=True, packed=packed) < 1e-5
-    other = perturbed_router(engine_model)
+    assert max_diff(glm52_policy, samples, replay=True, packed=packed) < 1e-5
+    other = perturbed_router(glm52_policy)
     assert max_diff(other, samples, replay=False, packed=packed) > 1e-2
     assert max_diff(other, samples, replay=True, packed=packed) < 1e-5
 
 
-def test_speculative_decoding_reports_the_routing_of_what_it_kept(engine_model):
+def test_speculative_decoding_reports_the_routing_of_what_it_kept(glm52_policy):
     """MTP drafts the verify forward rejects are not positions of the sequence: only the kept ones' routing is
     reported, and replay still reproduces the engine's logprobs."""
-    trajs = episodes(engine_model, n=2, speculative=2)
+    trajs = episodes(glm52_policy, n=2, speculative=2)
     samples = to_samples(trajs)
-    assert max_diff(perturbed_router(engine_model), samples, replay=True, packed=True) < 1e-5
+    assert max_diff(perturbed_router(glm52_policy), samples, replay=True, packed=True) < 1e-5
 
 
 def test_samples_and_metrics(trajectories):
@@ -150,11 +140,11 @@ def test_samples_and_metrics(trajectories):
     assert "routed_experts" not in to_samples(trajs[:1])[0]
 
 
-def test_the_actor_replays_in_its_logprob_pass_and_its_update(trajectories, glm_path):
+def test_the_actor_replays_in_its_logprob_pass_and_its_update(trajectories, glm52_path):
     """ActorWorker under DeepSpeed with a perturbed router: π_old (and π_ref) from compute_logprobs, and the
     update's own forward, equal the engine's logprobs only with the routing replayed."""
     samples = to_samples(trajectories)
-    worker = ActorWorker(glm_path, OptimConfig(learning_rate=1e-3, micro_batch_tokens=150),
+    worker = ActorWorker(glm52_path, OptimConfig(learning_rate=1e-3, micro_batch_tokens=150),
                          AlgorithmConfig(use_reference=True), temperature=1.0)
     worker.reference = perturbed_router(worker.reference)
     worker.engine.module.load_state_dict(perturbed_router(worker.module).state_dict())
@@ -177,7 +167,7 @@ def test_the_actor_replays_in_its_logprob_pass_and_its_update(trajectories, glm_
     assert metrics["mismatch/train_rollout_logprob_abs_diff"] < 1e-6
 
 
-def test_sglang_routing_reaches_the_trainer(glm_path, engine_model, tmp_path):
+def test_sglang_routing_reaches_the_trainer(glm52_path, glm52_policy, tmp_path):
     """engine=sglang: `engine.return_routed_experts` starts the servers with --enable-return-routed-experts, the
     client decodes SGLang's base64 int32 routing, and the trainer replays it (a server speaking SGLang's HTTP,
     tests/fakes/sglang_server.py, generating with the same model)."""
@@ -193,11 +183,11 @@ def test_sglang_routing_reaches_the_trainer(glm_path, engine_model, tmp_path):
     cfg = EngineConfig(type="sglang", return_routed_experts=True,
                        sglang=SGLangConfig(launch_command=fake, router="off", startup_timeout_s=120))
     assert sglang_config(cfg).args == {"enable-return-routed-experts": True}
-    fleet = SGLangFleet(sglang_config(cfg), glm_path, log_dir=str(tmp_path), use_ray=False)
+    fleet = SGLangFleet(sglang_config(cfg), glm52_path, log_dir=str(tmp_path), use_ray=False)
     fleet.start()
     try:
         async def go():
-            engine = make_sglang_engine(glm_path, cfg, {"urls": fleet.urls})
+            engine = make_sglang_engine(glm52_path, cfg, {"urls": fleet.urls})
             try:
                 ledger = TokenLedger()
                 ledger.append_context(list(range(200, 230)))
@@ -214,10 +204,10 @@ def test_sglang_routing_reaches_the_trainer(glm_path, engine_model, tmp_path):
         segment = asyncio.run(go())
     finally:
         fleet.stop()
-    assert segment.replay["routed_experts"].shape[1:] == (engine_model.config.num_hidden_layers,
-                                                          engine_model.config.num_experts_per_tok)
+    assert segment.replay["routed_experts"].shape[1:] == (glm52_policy.config.num_hidden_layers,
+                                                          glm52_policy.config.num_experts_per_tok)
     samples = to_samples([Trajectory("s0", "t0", [segment])])
-    assert max_diff(perturbed_router(engine_model), samples, replay=True, packed=True) < 1e-5
+    assert max_diff(perturbed_router(glm52_policy), samples, replay=True, packed=True) < 1e-5
 
 
 def test_replay_is_refused_by_a_model_that_cannot_take_it_and_filled_where_missing(tiny_model, trajectories):

@@ -9,17 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from models import load_model, resolve_model_path
 from rollout import indexer_replay
 from rollout.local_engine import LocalEngine
 from rollout.types import SamplingParams
 
 TAU = 1e-4
-
-
-@pytest.fixture(scope="module")
-def policy():
-    return load_model(str(resolve_model_path("glm52-tiny")), "policy").eval()
 
 
 def generate(model, prompts: list[list[int]], new_tokens: int = 20):
@@ -46,12 +40,12 @@ def trainer_logprobs(model, prompt: list[int], result, replay: bool) -> torch.Te
     return logp[at, torch.tensor(result.output_ids)]
 
 
-def test_the_trainer_recomputes_the_engines_logprobs_when_it_replays_the_rows_under_the_margin(policy):
+def test_the_trainer_recomputes_the_engines_logprobs_when_it_replays_the_rows_under_the_margin(glm52_policy):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (28, 41, 35)]  # left padding
-    results = generate(policy, prompts)
-    k = policy.config.index_topk
-    trainer = copy.deepcopy(policy)  # an indexer off by 0.1%, as another implementation's rounding may be
+    results = generate(glm52_policy, prompts)
+    k = glm52_policy.config.index_topk
+    trainer = copy.deepcopy(glm52_policy)  # an indexer off by 0.1%, as another implementation's rounding may be
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in trainer.named_parameters():
@@ -62,18 +56,18 @@ def test_the_trainer_recomputes_the_engines_logprobs_when_it_replays_the_rows_un
         rec = result.meta["indexer_replay"]
         ran = len(prompt) + len(result.output_ids) - 1
         assert rec["keys"].shape[1] == k and rec["keys"].dtype == np.int32 and rec["positions"].dtype == np.int32
-        assert set(rec["layers"].tolist()) <= set(policy.config.full_indexer_layers)
+        assert set(rec["layers"].tolist()) <= set(glm52_policy.config.full_indexer_layers)
         assert ((rec["positions"] >= k) & (rec["positions"] < ran)).all()  # only rows with a choice to make
         assert ((rec["keys"] <= rec["positions"][:, None]) & (rec["keys"] >= -1)).all()  # causal, own positions
         assert ((rec["keys"] >= 0).sum(1) == k).all()
         engine_lp = torch.tensor(result.output_logprobs)
         # the same weights: the full forward replaying the engine's rows is the engine's (cache vs none aside)
-        assert (trainer_logprobs(policy, prompt, result, True) - engine_lp).abs().max() < 1e-5
+        assert (trainer_logprobs(glm52_policy, prompt, result, True) - engine_lp).abs().max() < 1e-5
         worst_own = max(worst_own, float((trainer_logprobs(trainer, prompt, result, False) - engine_lp).abs().max()))
         worst_replayed = max(worst_replayed,
                              float((trainer_logprobs(trainer, prompt, result, True) - engine_lp).abs().max()))
         rows += len(rec["positions"])
-        queries += (ran - k) * len(policy.config.full_indexer_layers)
+        queries += (ran - k) * len(glm52_policy.config.full_indexer_layers)
     assert worst_own > 1e-3, "the perturbed indexer chose like the engine everywhere: the test shows nothing"
     assert worst_replayed < 1e-5
     assert 0 < rows < 0.25 * queries, (rows, queries)  # a few rows of those with a choice, not all of them

@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 
-from models import load_model
 from models.glm5.config import Glm5Config
 from models.glm5.indexer import Indexer
 
@@ -41,43 +40,37 @@ def test_margins_are_the_gap_between_the_kth_and_the_next_score_and_leave_the_se
     assert checked > 5
 
 
-@pytest.fixture(scope="module")
-def policy():
-    torch.manual_seed(0)
-    return load_model("glm52-tiny", "policy").eval().float()
-
-
-def test_a_row_of_minus_ones_selects_for_itself(policy):
+def test_a_row_of_minus_ones_selects_for_itself(glm52_policy):
     ids = torch.randint(100, 4000, (2, 48), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        own = policy(input_ids=ids, use_cache=False, return_routing=True)
+        own = glm52_policy(input_ids=ids, use_cache=False, return_routing=True)
     other = {layer: sel.roll(1, dims=1) for layer, sel in own.indexer_topk.items()}  # another query's keys
     rows = torch.zeros(2, 48, dtype=torch.bool)
     rows[:, 30::3] = True  # some late rows replayed (their shifted keys are all visible to them)
     partial = {layer: torch.where(rows[..., None], other[layer], -1) for layer in other}
     with torch.no_grad():
-        mixed = policy(input_ids=ids, use_cache=False, indexer_topk=partial, return_routing=True)
+        mixed = glm52_policy(input_ids=ids, use_cache=False, indexer_topk=partial, return_routing=True)
     assert (mixed.logits - own.logits).abs().max() > 1e-3  # the replayed rows changed the output
     first = min(other)  # the first full layer sees the same input either way: its other rows are its own choice
     assert torch.equal(mixed.indexer_topk[first][~rows].sort(-1).values, own.indexer_topk[first][~rows].sort(-1).values)
     for layer in other:  # every layer: the replayed rows hold the replay
         assert torch.equal(mixed.indexer_topk[layer][rows].sort(-1).values, other[layer][rows].sort(-1).values)
     with torch.no_grad():  # and the merged selections, replayed whole, are that forward exactly
-        again = policy(input_ids=ids, use_cache=False, indexer_topk=mixed.indexer_topk)
+        again = glm52_policy(input_ids=ids, use_cache=False, indexer_topk=mixed.indexer_topk)
     assert torch.equal(again.logits, mixed.logits)
     nothing = {layer: torch.full_like(sel, -1) for layer, sel in own.indexer_topk.items()}
     with torch.no_grad():
-        assert torch.equal(policy(input_ids=ids, use_cache=False, indexer_topk=nothing).logits, own.logits)
+        assert torch.equal(glm52_policy(input_ids=ids, use_cache=False, indexer_topk=nothing).logits, own.logits)
 
 
-def test_replaying_the_rows_under_the_margin_makes_a_perturbed_indexer_agree(policy):
+def test_replaying_the_rows_under_the_margin_makes_a_perturbed_indexer_agree(glm52_policy):
     """The trainer's indexer weights differ from the engine's by 0.1% (as precision differs between two
     implementations): two rows choose other keys and the logits move by ~1e-1. Replaying only the rows whose
     margin is under τ (a few percent of the rows) gives the engine's logits back."""
     ids = torch.randint(100, 4000, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        engine = policy(input_ids=ids, use_cache=False, return_routing=True, indexer_margins=True)
-    trainer = copy.deepcopy(policy)
+        engine = glm52_policy(input_ids=ids, use_cache=False, return_routing=True, indexer_margins=True)
+    trainer = copy.deepcopy(glm52_policy)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in trainer.named_parameters():
