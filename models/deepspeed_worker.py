@@ -383,19 +383,20 @@ class DeepSpeedWorker:
 
         A collective barrier alone is not enough: a rank can return from it while a peer still reads the
         barrier's last message, and a socket closed under that read aborts the peer. So the ranks also meet in
-        the rendezvous store after the barrier, and rank 0, which hosts the store, tears down last."""
+        the rendezvous store after the barrier, then all destroy their groups together (NCCL's destroy is itself
+        collective within a node: a rank that waited for the others' would hang them), and rank 0, which hosts
+        the store, returns (and may exit) only after every other rank has left it."""
         if self.world_size > 1 and torch.distributed.is_initialized():
             from torch.distributed.distributed_c10d import _get_default_store
 
             torch.distributed.barrier()
-            store = _get_default_store()
+            store = _get_default_store()  # held: rank 0's TCPStore server outlives its process group
             wait_for_count(store, "close/passed_barrier", self.world_size)
+            torch.distributed.destroy_process_group()
             if self.rank != 0:
-                torch.distributed.destroy_process_group()
                 store.add("close/left", 1)
             else:
                 wait_for_count(store, "close/left", self.world_size - 1, increment=0)
-                torch.distributed.destroy_process_group()
 
     def save_hf(self, folder: str, tokenizer_from: str | None = None) -> int:
         """HF-format folder (config.json + safetensors shards) that transformers and our engines load as it is,

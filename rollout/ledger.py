@@ -58,9 +58,9 @@ class TokenLedger:
         self._last_output = (start, len(self.ids))
         if routing is not None:
             self._record_routing(np.asarray(routing))
-        if indexer_rows is not None:
+        if indexer_rows is not None:  # the generation ran every position but its last sampled token
             self._record_indexer_rows(indexer_rows, ran_before=self._indexer_ran)
-        self._indexer_ran = len(self.ids) - 1  # every position but the last sampled token has run
+            self._indexer_ran = len(self.ids) - 1
 
     def _record_indexer_rows(self, rows: dict, ran_before: int) -> None:
         new = rows["positions"] >= ran_before

@@ -289,7 +289,11 @@ class MLA(nn.Module):
             else:
                 selection = self._run_indexer(x, c_q, index_keys, ctx)
         else:
-            replayed = None  # [B, S] the rows a partial replay gives (None: all of them, or no replay)
+            # [B, S] the rows a partial replay gives (None: all of them, or no replay). Decided per rank: under
+            # ZeRO-3 a rank replaying every row would skip the indexer's gathers. A margin-gated replay never
+            # covers a sample's first k queries (no choice to make), so only a sequence-parallel chunk past them,
+            # under a τ so large that every query is shipped, could
+            replayed = None
             if replay is not None:
                 replayed = (replay >= 0).any(-1)
                 if bool(replayed.all()):

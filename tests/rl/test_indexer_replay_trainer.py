@@ -75,7 +75,7 @@ def max_diff(model, samples, replay: bool, packed: bool) -> float:
     return worst
 
 
-def test_the_segments_carry_the_latest_generations_rows(trajectories, glm52_policy):
+def test_the_segments_carry_each_positions_rows_from_the_first_generation_that_ran_it(trajectories, glm52_policy):
     k = glm52_policy.config.index_topk
     for traj in trajectories:
         seg = traj.segments[0]
