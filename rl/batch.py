@@ -16,6 +16,7 @@ import torch
 from critic.gae import adaptive_lambda, compute_gae
 from rl.config import AlgorithmConfig
 from rl.losses import kl_estimate, masked_whiten
+from rollout import indexer_replay
 from rollout.types import Trajectory
 
 
@@ -89,7 +90,7 @@ def indexer_replay_metrics(samples: list[dict]) -> dict:
         return {}
     tokens = max(sum(len(s["token_ids"]) for s in samples), 1)
     rows = sum(len(r["positions"]) for r in having)
-    size = sum(sum(int(v.nbytes) for v in r.values()) for r in having)
+    size = sum(indexer_replay.nbytes(r) for r in having)
     return {"replay/indexer_rows_per_token": rows / tokens, "replay/indexer_bytes_per_token": size / tokens}
 
 

@@ -49,8 +49,9 @@ def fragile_rows(topk: dict[int, torch.Tensor], margins: dict[int, torch.Tensor]
         keys = torch.where(sel >= 0, sel - key_offset[rows, None], -1)
         keys = torch.nn.functional.pad(keys, (0, k - keys.shape[-1]), value=-1).to(torch.int32).cpu().numpy()
         pos = positions[rows, cols].to(torch.int32).cpu().numpy()
+        rows = rows.cpu().numpy()  # one transfer, not one per batch row
         for r in range(b):
-            mine = (rows == r).cpu().numpy()
+            mine = rows == r
             if mine.any():
                 parts[r].append((pos[mine], np.full(int(mine.sum()), layer, np.int16), keys[mine]))
     return [concat([{"positions": p, "layers": l, "keys": kk} for p, l, kk in row], k) for row in parts]
