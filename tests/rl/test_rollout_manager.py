@@ -78,6 +78,9 @@ class SkewedWorker:
     def events(self):
         return self.log
 
+    def aborted(self):
+        return dict(self.aborts)
+
 
 @pytest.fixture(scope="module")
 def ray_session():
@@ -137,14 +140,18 @@ def test_k0_is_the_synchronous_loop(ray_session, shipped_tasks):
 def test_the_trainer_never_waits_for_the_slowest_episode(ray_session, shipped_tasks):
     """Episode 1 never ends unless aborted: two steps train without it (K = 1); once it can no longer meet the
     bound it is aborted and its task runs again, so nothing is lost. (Whether the re-run finishes among the next
-    eight or is still pending after step 4 depends on timing: both are right, and both are checked.)"""
+    eight or is still pending after step 4 depends on timing, as does whether a slow ordinary episode on a busy
+    machine is aborted too: every outcome that keeps the bound and loses nothing is right, and all are checked.)"""
     tasks = shipped_tasks.split("train")
     workers = [SkewedWorker.remote([2, 3, 1, 5], [1]) for _ in range(2)]
     manager = RolloutManager(workers, TaskSampler(tasks, 0), 4, 1, 8, seed=0).start()
     batches = train_steps(manager, workers, 4)
     trained = [t.rollout_id for trajs, _, _ in batches for t in trajs]
     assert "ep-1" not in trained  # the straggler itself never reaches a batch
-    assert sum(m["async/aborted_stale"] for _, m, _ in batches) == 1
+    # the straggler is aborted for staleness; on a loaded machine a slow ordinary episode may be too (as it should)
+    aborted = {i: r for w in workers for i, r in ray.get(w.aborted.remote()).items()}
+    assert aborted.get("ep-1") == "stale"
+    assert 1 <= sum(m["async/aborted_stale"] for _, m, _ in batches) <= sum(r == "stale" for r in aborted.values())
     for trajs, metrics, version in batches:
         assert metrics["async/staleness_max"] <= 1
         assert all(version - t.oldest_version() <= 1 for t in trajs)
@@ -157,7 +164,7 @@ def test_the_trainer_never_waits_for_the_slowest_episode(ray_session, shipped_ta
     assert not set(indices) & {p["index"] for p in state["pending"]}
     assert set(indices) | {p["index"] for p in state["pending"]} == set(range(state["next_index"]))
     # the straggler's task: re-run and trained, or re-run (or about to be) and pending for a resumed run
-    assert "ep-1r1" in trained or 1 in {p["index"] for p in state["pending"]}
+    assert any(r.startswith("ep-1r") for r in trained) or 1 in {p["index"] for p in state["pending"]}
 
 
 def test_staleness_bound_holds_with_partial_rollouts(ray_session, shipped_tasks):
@@ -245,7 +252,8 @@ def test_a_task_that_always_outlasts_the_bound_is_given_up_and_counted(ray_sessi
     batches = train_steps(manager, workers, 2 * STALE_ATTEMPTS + 2)
     manager.stop()
     ray.get([w.release.remote() for w in workers])
-    assert sum(m["async/aborted_stale"] for _, m, _ in batches) == STALE_ATTEMPTS
+    # its STALE_ATTEMPTS aborts (and, on a loaded machine, perhaps a slow ordinary episode's)
+    assert sum(m["async/aborted_stale"] for _, m, _ in batches) >= STALE_ATTEMPTS
     assert sum(m["async/gave_up"] for _, m, _ in batches) == 1
     trained = [t.rollout_id for trajs, _, _ in batches for t in trajs]
     assert not [r for r in trained if r.startswith("ep-2")]  # none of its attempts was trained on
