@@ -27,16 +27,17 @@ from functools import cached_property
 
 import torch
 
+from models.glm5.indexer_rows import IndexerRows
+
 # Integer per-token fields and their dtypes; every other per-token field travels as float32. `routed_experts`
 # ([tokens, layers, k] expert ids the rollout engine chose, −1 where it ran no position: the model's own routing)
 # keeps its trailing axes; the other fields are 1-D.
-_INT_FIELDS = {"token_ids": torch.long, "routed_experts": torch.int16, "indexer_topk": torch.int32}
-_FILL = {"routed_experts": -1, "indexer_topk": -1}  # the value of positions a field does not cover (padding, tails)
-# Per-sample fields: not one row per token but one object per sample, made into a micro-batch tensor there.
-# `indexer_replay` (rollout/indexer_replay.py: the few indexer rows an engine shipped, sparse) becomes
-# `indexer_topk` [b, L, full layers, k], −1 rows (select for yourself) except the replayed ones, its keys moved to
-# the sample's place in its row; `MicroBatch.indexer_layers` names the layer of each slice.
-SAMPLE_FIELDS = {"indexer_replay": "indexer_topk"}
+_INT_FIELDS = {"token_ids": torch.long, "routed_experts": torch.int16}
+_FILL = {"routed_experts": -1}  # the value of positions a field does not cover (padding, tails)
+# Per-sample fields: not one row per token but one object per sample, placed in the micro-batch there.
+# `indexer_replay` (rollout/indexer_replay.py: the few indexer rows an engine shipped) stays sparse: the
+# micro-batch's `indexer_rows` (models/glm5/indexer_rows.py), its queries and keys moved to the sample's place.
+SAMPLE_FIELDS = ("indexer_replay",)
 
 
 def field_dtype(name: str) -> torch.dtype:
@@ -129,12 +130,11 @@ class MicroBatch:
     starts: list[tuple[int, int]] = field(default_factory=list)  # (row, column) where each sample begins
     # sequence parallelism: this rank's chunk of the positions (models/glm5/sequence_parallel.SequenceShard)
     sequence: object | None = None
-    indexer_layers: list[int] = field(default_factory=list)  # the layer of each slice of tensors["indexer_topk"]
+    indexer_rows: IndexerRows | None = None  # the samples' shipped indexer rows, placed (None: none shipped)
 
-    def indexer_topk(self) -> dict[int, torch.Tensor] | None:
-        """The model's `indexer_topk` replay ({full layer: [b, L, k]}), or None where no sample shipped rows."""
-        t = self.tensors.get("indexer_topk")
-        return None if t is None else {layer: t[:, :, j] for j, layer in enumerate(self.indexer_layers)}
+    def indexer_topk(self) -> IndexerRows | None:
+        """The model's `indexer_topk` replay (sparse), or None where no sample shipped rows."""
+        return self.indexer_rows
 
     @property
     def position_ids(self) -> torch.Tensor | None:
@@ -153,7 +153,7 @@ class MicroBatch:
         if self.packed:
             tensors["position_ids"][:, -extra:] = torch.arange(extra, device=tensors["position_ids"].device)
         return MicroBatch(self.indices, self.lengths, tensors, self.packed, self.starts,
-                          indexer_layers=self.indexer_layers)
+                          indexer_rows=self.indexer_rows)
 
     def sample_ids(self) -> torch.Tensor:
         """[b, L] which of its samples each position belongs to (0.., in `indices` order; −1: padding), so that a
@@ -277,36 +277,12 @@ def make_micro_batches(samples, fields: tuple[str, ...] = (), max_tokens: int = 
         tensors = {"input_ids": ids, "attention_mask": attn, **tensors}
         if packed:
             tensors["position_ids"] = positions
-        layers: list[int] = []
+        indexer_rows = None
         if "indexer_replay" in sparse:
-            rows_of_samples = [batch.per_sample["indexer_replay"][i] for i in indices]
-            tensors["indexer_topk"], layers = indexer_topk_tensor(rows_of_samples, starts, rows, width)
-        out.append(MicroBatch(indices, sizes, {k: v.to(device) for k, v in tensors.items() if v is not None},
-                              packed, starts, indexer_layers=layers))
+            indexer_rows = IndexerRows.from_samples([batch.per_sample["indexer_replay"][i] for i in indices], starts)
+        out.append(MicroBatch(indices, sizes, {k: v.to(device) for k, v in tensors.items()}, packed, starts,
+                              indexer_rows=indexer_rows.to(device) if indexer_rows is not None else None))
     return out
-
-
-def indexer_topk_tensor(samples_rows: list, starts: list[tuple[int, int]], rows: int,
-                        width: int) -> tuple[torch.Tensor | None, list[int]]:
-    """Samples' sparse indexer rows (rollout/indexer_replay.py: positions, layers, keys; None: none shipped) placed
-    at their (row, column) → ([rows, width, full layers, k] int32, −1 where not replayed; the layer list), or
-    (None, []) when no sample has a row."""
-    present = [r for r in samples_rows if r is not None and len(r["positions"])]
-    if not present:
-        return None, []
-    layers = sorted({int(x) for r in present for x in r["layers"]})
-    k = max(r["keys"].shape[1] for r in present)
-    out = torch.full((rows, width, len(layers), k), -1, dtype=torch.int32)
-    slot = {layer: j for j, layer in enumerate(layers)}
-    for r, (row, column) in zip(samples_rows, starts):
-        if r is None or not len(r["positions"]):
-            continue
-        keys = torch.as_tensor(r["keys"], dtype=torch.int32)
-        keys = torch.where(keys >= 0, keys + column, -1)
-        where = torch.as_tensor(r["positions"], dtype=torch.long) + column
-        layer_slots = torch.tensor([slot[int(x)] for x in r["layers"]], dtype=torch.long)
-        out[row, where, layer_slots, :keys.shape[1]] = keys
-    return out, layers
 
 
 def unbatch(batches: list[MicroBatch], outputs: list[torch.Tensor], batch: TokenBatch) -> torch.Tensor:

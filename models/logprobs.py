@@ -33,10 +33,17 @@ def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     return logp, entropy
 
 
-def replay_kwargs(routed_experts: torch.Tensor | None, indexer_topk: dict | None = None) -> dict:
+def local_indexer_replay(indexer_topk, sequence):
+    """A sequence-parallel rank's share of an indexer replay: its queries' rows (the keys span the sequence)."""
+    if indexer_topk is None or isinstance(indexer_topk, dict):
+        return {i: sequence.local(t) for i, t in (indexer_topk or {}).items()}
+    return indexer_topk.local(sequence.lo, sequence.hi)
+
+
+def replay_kwargs(routed_experts: torch.Tensor | None, indexer_topk=None) -> dict:
     """The model's replay arguments: `routed_experts` [B, T, layers, k] (the rollout engine's expert ids, −1
     where it ran no position) as {layer index: [B, T, k]}, the model reading its MoE layers' and ignoring the
-    rest; `indexer_topk` ({full layer: [B, T, k]}, rows of −1 not replayed) as it is."""
+    rest; `indexer_topk` (sparse rows or {full layer: [B, T, k]}) as it is, if it holds any row."""
     out = {"indexer_topk": indexer_topk} if indexer_topk else {}
     if routed_experts is None:
         return out
@@ -60,7 +67,7 @@ def policy_logprobs(
     only: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     routed_experts: torch.Tensor | None = None,
-    indexer_topk: dict | None = None,
+    indexer_topk=None,
     sequence=None,
     head_calls: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +80,9 @@ def policy_logprobs(
     attention mask (the position resets delimit the samples) and `attention_mask` only says which positions
     are real tokens.
     `routed_experts` [B, T, layers, k] (a MoE policy): the experts the rollout engine chose, replayed so that the
-    trainer's forward is the engine's (`replay_kwargs`). `indexer_topk` ({full layer: [B, T, k]}, a GLM-5.2
-    policy): the indexer rows the engine shipped (rollout/indexer_replay.py), −1 rows selecting for themselves.
+    trainer's forward is the engine's (`replay_kwargs`). `indexer_topk` (a GLM-5.2 policy): the indexer rows the
+    engine shipped (rollout/indexer_replay.py), sparse (`IndexerRows`, as micro-batches carry them) or dense
+    ({full layer: [B, T, k]}, −1 rows selecting for themselves).
     `sequence` (a `models.glm5.sequence_parallel.SequenceShard`): this rank runs its chunk of the positions; the
     result holds its columns (`sequence.owned`), zeros elsewhere (`sequence.combine` sums the ranks' into the whole).
     `head_calls`: run the LM head exactly this many times (`head_calls_needed`, the most any rank needs): under
@@ -99,8 +107,7 @@ def policy_logprobs(
     else:  # this rank's positions predict the next tokens, the sequence's last one nothing
         hidden = backbone(input_ids=sequence.local(input_ids), cache=sequence,
                           **_local_mask_and_positions(attention_mask, position_ids, sequence),
-                          **replay_kwargs(sequence.local(routed_experts),
-                                          {i: sequence.local(t) for i, t in (indexer_topk or {}).items()})
+                          **replay_kwargs(sequence.local(routed_experts), local_indexer_replay(indexer_topk, sequence))
                           ).last_hidden_state
         targets, select = sequence.next_token(input_ids), sequence.next_token(wanted) > 0
     inv_t = 1.0 / max(temperature, 1e-6)

@@ -8,7 +8,7 @@ the head gates, accumulation order) and by how they break ties. If each score is
 whose k-th best score exceeds the best key left out by more than 2ε, its *margin* I_(k) − I_(k+1)
 (`Indexer.select(margins=True)`), selects the same keys on both sides. So the engine records only the rows with
 margin < τ (τ ≥ 2ε, chosen from a measured ε), and the trainer replays those rows and selects the rest itself
-(a row of −1 in the model's `indexer_topk`: a partial replay).
+(a partial replay, kept sparse all the way into the model: models/glm5/indexer_rows.py).
 
 Format, per generation (`meta["indexer_replay"]`), on the sequence's own positions (the engine's left padding
 and cache offsets removed), as compact numpy arrays:
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.batching import indexer_topk_tensor
+from models.glm5.indexer_rows import IndexerRows
 
 FIELDS = ("positions", "layers", "keys")
 
@@ -69,12 +69,10 @@ def concat(parts: list[dict[str, np.ndarray]], k: int, below: int | None = None)
     return out
 
 
-def dense_replay(rows: dict[str, np.ndarray], length: int) -> dict[int, torch.Tensor]:
-    """The model's `indexer_topk` for one sequence of `length` positions: {layer: [1, length, k]}, −1 rows (select
-    for yourself) except the recorded ones. (The trainer's micro-batches place many samples at once:
-    models.batching.indexer_topk_tensor.)"""
-    t, layers = indexer_topk_tensor([rows], [(0, 0)], 1, length)
-    return {} if t is None else {layer: t[:, :, j] for j, layer in enumerate(layers)}
+def model_replay(rows: dict[str, np.ndarray]) -> IndexerRows | None:
+    """The model's `indexer_topk` for one sequence: its recorded rows, sparse (the other rows select for
+    themselves); None when it has none. (The trainer's micro-batches place many samples at once: MicroBatch.)"""
+    return IndexerRows.from_samples([rows], [(0, 0)])
 
 
 def nbytes(rows: dict[str, np.ndarray]) -> int:

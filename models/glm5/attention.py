@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from models.glm5 import kernels
 from models.glm5.config import Glm5Config
 from models.glm5.indexer import Indexer, causal_indices, indexer_kl_loss
+from models.glm5.indexer_rows import LayerRows
 from models.glm5.kernels.sparse_mla import sparse_mla_fused
 from models.glm5.layers import RMSNorm, apply_rope, chunk_key_ends, key_bounds, masked_softmax, valid_keys
 from models.glm5.sparse_mla import sparse_mla
@@ -259,11 +260,12 @@ class MLA(nn.Module):
 
     # ---- layer forward --------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: AttnContext, carry: torch.Tensor | None = None,
-                replay: torch.Tensor | None = None, shared_kv: SharedKV | None = None,
+                replay: torch.Tensor | LayerRows | None = None, shared_kv: SharedKV | None = None,
                 share_selection: bool = True) -> AttnOut:
         """x [B, S, D] (already input-normed). `carry`: the last full layer's selection (shared layers).
         `replay` [B, S, k]: use these key indices instead of running the indexer (train = rollout); a row of −1
-        only is not replayed: that query selects for itself (a partial replay: rollout/indexer_replay.py).
+        only is not replayed: that query selects for itself (a partial replay: rollout/indexer_replay.py). Or
+        `LayerRows`: the same partial replay kept sparse (models/glm5/indexer_rows.py).
         `shared_kv`: attend over these latents instead of our own (MTP steps ≥ 2); with `share_selection` their
         selection is reused too, else our indexer scores our queries against their index keys."""
         queries = self.queries(x, ctx.cos, ctx.sin)
@@ -293,7 +295,9 @@ class MLA(nn.Module):
             # ZeRO-3 a rank replaying every row would skip the indexer's gathers. A margin-gated replay never
             # covers a sample's first k queries (no choice to make), so only a sequence-parallel chunk past them,
             # under a τ so large that every query is shipped, could
-            replayed = None
+            replayed, rows = None, None
+            if isinstance(replay, LayerRows):  # sparse: select, then write the replayed rows over the selection
+                replay, rows = None, replay
             if replay is not None:
                 replayed = (replay >= 0).any(-1)
                 if bool(replayed.all()):
@@ -316,6 +320,9 @@ class MLA(nn.Module):
                 selection = self._run_indexer(x, c_q, index_keys, ctx)
             if replayed is not None:
                 selection = merge_replay(replay, replayed, selection, ctx, num_keys)
+            if rows is not None:
+                selection = rows.scatter(selection if selection is not None else
+                                         causal_indices(ctx.query_index, ctx.key_mask, num_keys, ctx.query_start))
             if ctx.indexer_loss is not None:
                 loss = self._indexer_loss(x, c_q, self.absorb(queries), latents, selection, ctx)
 

@@ -10,7 +10,8 @@ training forward without cache and without left padding that is the token's posi
 so whatever an engine reports (SGLang: `--enable-return-indexer-topk`) must be mapped to sequence positions
 first. Entries may be int32 or int64, in any width; −1, keys after the query and padding keys are ignored;
 entries must not repeat (a repeated key would be attended twice). A row of −1 only is not replayed: that query
-selects its keys itself (a partial replay, of the rows whose choice could differ: rollout/indexer_replay.py).
+selects its keys itself (a partial replay, of the rows whose choice could differ: rollout/indexer_replay.py);
+such a replay may also come sparse, as `IndexerRows` (models/glm5/indexer_rows.py), never made dense.
 With `return_routing=True` the output carries the same two dicts as computed (or replayed), canonicalised: every
 slot the query could not attend to is −1, and layers whose keys all fit in top-k list their full causal prefix.
 
@@ -41,6 +42,7 @@ from models.glm5.checkpoint import load_checkpoint, save_hf
 from models.glm5.config import Glm5Config
 from models.glm5.decoder import DecoderLayer, Glm5Cache
 from models.glm5.indexer import Indexer
+from models.glm5.indexer_rows import IndexerRows
 from models.glm5.layers import RMSNorm, rope_angles
 from models.glm5.moe import Router
 from models.glm5.mtp import MTPLayer, MTPLoss, chunked_head, head_ce_sum, mtp_loss
@@ -112,7 +114,7 @@ class Glm5Model(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache=None, past_key_values=None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
-                indexer_topk: dict[int, torch.Tensor] | None = None,
+                indexer_topk: dict[int, torch.Tensor] | IndexerRows | None = None,
                 routed_experts: dict[int, torch.Tensor] | None = None, return_routing: bool = False,
                 indexer_loss: str | None = None, indexer_margins: bool = False,
                 return_dict: bool = True) -> Glm5ModelOutput:
@@ -148,13 +150,18 @@ class Glm5Model(nn.Module):
                           query_start=query_start, margins={} if indexer_margins else None)
 
         n = self.config.num_hidden_layers
-        indexer_topk, routed_experts = indexer_topk or {}, routed_experts or {}
+        if isinstance(indexer_topk, IndexerRows):
+            indexer_topk = indexer_topk.to(h.device)
+            replay_of = indexer_topk.layer
+        else:
+            replay_of = (indexer_topk or {}).get
+        routed_experts = routed_experts or {}
         topk_out, experts_out, losses = {}, {}, []
         carry = None
         for i, layer in enumerate(self.layers[:n]):
-            replay_t = indexer_topk.get(i) if layer.has_indexer else None
+            replay_t = replay_of(i) if layer.has_indexer else None
             replay_e = routed_experts.get(i) if layer.is_moe else None
-            if replay_t is not None:  # engines hand back int32; gather needs int64
+            if isinstance(replay_t, torch.Tensor):  # engines hand back int32; gather needs int64
                 replay_t = replay_t.to(device=h.device, dtype=torch.long)
             record: dict = {}
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -262,7 +269,7 @@ class Glm5ForCausalLM(_Glm5Base):
                 position_ids: torch.Tensor | None = None, cache=None, past_key_values=None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 logits_to_keep: int | torch.Tensor | None = 0, labels: torch.Tensor | None = None,
-                indexer_topk: dict[int, torch.Tensor] | None = None,
+                indexer_topk: dict[int, torch.Tensor] | IndexerRows | None = None,
                 routed_experts: dict[int, torch.Tensor] | None = None, return_routing: bool = False,
                 indexer_loss: str | None = None, mtp_steps: int = 0, mtp_tv_weight: float = 0.0,
                 loss_chunk_rows: int = 1024, indexer_margins: bool = False,
@@ -330,7 +337,7 @@ class Glm5ForValue(_Glm5Base):
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                indexer_topk: dict[int, torch.Tensor] | None = None,
+                indexer_topk: dict[int, torch.Tensor] | IndexerRows | None = None,
                 routed_experts: dict[int, torch.Tensor] | None = None, use_cache: bool | None = False,
                 cache=None, return_dict: bool = True) -> Glm5ValueOutput:
         """`cache`: a KV cache, or a sequence-parallel chunk (models/glm5/sequence_parallel.py)."""

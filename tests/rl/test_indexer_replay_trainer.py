@@ -68,7 +68,10 @@ def max_diff(model, samples, replay: bool, packed: bool) -> float:
     with torch.no_grad():
         for mb in make_micro_batches(samples, fields, max_tokens=200, packed=packed):
             t = mb.tensors
-            assert ("indexer_topk" in t) == replay
+            assert (mb.indexer_rows is not None) == replay  # sparse: the micro-batch holds its samples' rows only
+            if replay:
+                shipped = [s["indexer_replay"] for s in (samples[i] for i in mb.indices)]
+                assert len(mb.indexer_rows) == sum(len(r["positions"]) for r in shipped)
             logp, _ = policy_logprobs(model, t["input_ids"], t["attention_mask"], only=t["loss_mask"],
                                       position_ids=mb.position_ids, indexer_topk=mb.indexer_topk())
             worst = max(worst, float(((logp - t["rollout_logprobs"]).abs() * t["loss_mask"]).max()))

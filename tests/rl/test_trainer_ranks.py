@@ -8,6 +8,7 @@ from __future__ import annotations
 import faulthandler
 import pickle
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -20,7 +21,7 @@ def global_batch(n: int = 7, equal: bool = False, replay: bool = False, late: bo
     """`equal`: every sample 48 tokens, so that no rank pads its micro-batches wider than one rank does (right
     padding moves GLM-5.2's hidden states by ~1e-6, enough to flip a near-tied expert or indexer choice).
     `replay`: routed experts as an engine reports them for glm52-tiny (8 layers, the first 2 dense: −1, 2 of 8
-    experts a token; the last 3 positions never ran: −1). `late`: 30 prompt tokens, so that under sequence
+    experts a token; the last 3 positions never ran: −1), and some indexer rows of its full layers (0, 1, 2, 6). `late`: 30 prompt tokens, so that under sequence
     parallelism of two a sample's first chunk predicts nothing the loss takes."""
     g = torch.Generator().manual_seed(1)
     out = []
@@ -39,6 +40,13 @@ def global_batch(n: int = 7, equal: bool = False, replay: bool = False, late: bo
             experts[:, :2] = -1
             experts[-3:] = -1
             out[-1]["routed_experts"] = experts
+            # and a few indexer rows (positions past the top-k of 16, where there is a choice), kept sparse
+            positions = torch.randint(16, length - 3, (6,), generator=g).unique()
+            rows = [(p, layer, torch.randperm(p + 1, generator=g)[:16]) for p in positions.tolist()
+                    for layer in (0, 2, 6)]
+            out[-1]["indexer_replay"] = {"positions": np.array([r[0] for r in rows], np.int32),
+                                         "layers": np.array([r[1] for r in rows], np.int16),
+                                         "keys": np.stack([r[2].numpy() for r in rows]).astype(np.int32)}
     return out
 
 
@@ -128,7 +136,8 @@ def test_n_ranks_equal_one_rank(role, model, world, zero, ep, sp, tmp_path, tmp_
     # too (ZeRO-3 once kept only the last micro-batch's gradient, on one rank as on four).
     one = one_rank_reference(model, role, tmp_path_factory)
     many = train_world(world, model, role, zero, tmp_path, ep, sp)
-    # actor-replay: the engine's routed experts replayed in every forward (packed rows, ZeRO-3)
+    # actor-replay: the engine's routed experts and indexer rows replayed in every forward (packed rows, ZeRO,
+    # expert and sequence chunks)
     prefix = "critic" if role == "critic" else "actor"
     loss = "critic/value_loss" if role == "critic" else "actor/loss"
     assert many["metrics"][loss] == pytest.approx(one["metrics"][loss], rel=1e-5, abs=1e-7)
@@ -166,6 +175,7 @@ def test_n_ranks_equal_one_rank(role, model, world, zero, ep, sp, tmp_path, tmp_
 def _initial_logprobs(model: str, samples: list[dict], replay: bool) -> list[list[float]]:
     """The initial policy's logprobs of each sample's action tokens (0 elsewhere), with or without its replay."""
     from models import load_model, policy_logprobs
+    from rollout.indexer_replay import model_replay
 
     policy = load_model(model, "policy").eval()
     out = []
@@ -174,7 +184,8 @@ def _initial_logprobs(model: str, samples: list[dict], replay: bool) -> list[lis
         mask = torch.tensor([s["loss_mask"]], dtype=torch.float32)
         with torch.no_grad():
             logp, _ = policy_logprobs(policy, ids, torch.ones_like(ids), only=mask,
-                                      routed_experts=s["routed_experts"][None] if replay else None)
+                                      routed_experts=s["routed_experts"][None] if replay else None,
+                                      indexer_topk=model_replay(s["indexer_replay"]) if replay else None)
         out.append(logp[0].tolist())
     return out
 

@@ -32,7 +32,7 @@ def generate(model, prompts: list[list[int]], new_tokens: int = 20):
 def trainer_logprobs(model, prompt: list[int], result, replay: bool) -> torch.Tensor:
     """log π of the generated tokens from one full forward (no cache), replaying the engine's rows or not."""
     seq = prompt + result.output_ids
-    topk = indexer_replay.dense_replay(result.meta["indexer_replay"], len(seq)) if replay else None
+    topk = indexer_replay.model_replay(result.meta["indexer_replay"]) if replay else None
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([seq]), use_cache=False, indexer_topk=topk).logits[0].float()
     logp = torch.log_softmax(logits, -1)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 from models.glm5.config import Glm5Config
 from models.glm5.indexer import Indexer
+from models.glm5.indexer_rows import IndexerRows
 
 
 def test_margins_are_the_gap_between_the_kth_and_the_next_score_and_leave_the_selection_alone():
@@ -88,3 +90,48 @@ def test_replaying_the_rows_under_the_margin_makes_a_perturbed_indexer_agree(glm
     assert (replayed.logits - engine.logits).abs().max() < 1e-5
     share = sum(int(f.sum()) for f in fragile.values()) / sum(f.numel() for f in fragile.values())
     assert 0 < share < 0.2, share
+
+
+def sparse_of(dense: dict[int, torch.Tensor]) -> IndexerRows:
+    """A dense partial replay's replayed rows (any key ≥ 0) as each batch row's shipped rows, then placed."""
+    per_row = []
+    for r in range(next(iter(dense.values())).shape[0]):
+        parts = [(torch.nonzero((t[r] >= 0).any(-1)).flatten(), layer, t[r]) for layer, t in sorted(dense.items())]
+        per_row.append({"positions": np.concatenate([q.numpy() for q, _, _ in parts]).astype(np.int32),
+                        "layers": np.concatenate([np.full(len(q), layer, np.int16) for q, layer, _ in parts]),
+                        "keys": np.concatenate([t[q].numpy() for q, _, t in parts]).astype(np.int32)})
+    return IndexerRows.from_samples(per_row, [(r, 0) for r in range(len(per_row))])
+
+
+def test_sparse_rows_are_the_dense_partial_replay_forward_and_backward(glm52_policy):
+    """The trainer's form (IndexerRows: only the replayed rows, written over each layer's own selection) gives the
+    dense partial replay's logits and gradients exactly, under gradient checkpointing too; its sequence chunks
+    are the dense replay's column slices."""
+    ids = torch.randint(100, 4000, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        own = glm52_policy(input_ids=ids, use_cache=False, return_routing=True)
+    rows = torch.zeros(2, 48, dtype=torch.bool)
+    rows[0, 30::3] = True
+    rows[1, 41] = True
+    partial = {layer: torch.where(rows[..., None], sel.roll(1, dims=1), -1) for layer, sel in own.indexer_topk.items()}
+    sparse = sparse_of(partial)
+    assert len(sparse) == int(rows.sum()) * len(partial)
+    assert {i: t.tolist() for i, t in sparse.dense(2, 48).items()} == {i: t.tolist() for i, t in partial.items()}
+    for lo, hi in ((0, 24), (24, 48), (40, 44)):
+        chunk = sparse.local(lo, hi)
+        assert len(chunk) == int(rows[:, lo:hi].sum()) * len(partial)
+        local = chunk.dense(2, hi - lo)
+        for layer, t in partial.items():
+            assert torch.equal(local.get(layer, torch.full_like(t[:, lo:hi], -1)), t[:, lo:hi])
+    model = copy.deepcopy(glm52_policy).train()
+    model.gradient_checkpointing_enable()
+    grads, logits = [], []
+    for replay in (partial, sparse):
+        model.zero_grad()
+        out = model(input_ids=ids, use_cache=False, indexer_topk=replay).logits
+        out.float().pow(2).mean().backward()
+        logits.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert (logits[0] - own.logits).abs().max() > 1e-3  # the replay changed the output
+    assert torch.equal(logits[0], logits[1])
+    assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
