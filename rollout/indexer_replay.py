@@ -33,22 +33,22 @@ def empty_rows(k: int) -> dict[str, np.ndarray]:
 
 
 def fragile_rows(topk: dict[int, torch.Tensor], margins: dict[int, torch.Tensor], tau: float,
-                 positions: torch.Tensor, key_offset: torch.Tensor) -> list[dict[str, np.ndarray]]:
+                 query_positions: torch.Tensor, key_positions: torch.Tensor) -> list[dict[str, np.ndarray]]:
     """The rows of one forward under the margin τ, one dict per batch row. `topk` {layer: [B, S, k]} on the cache
-    axis (−1 empty), `margins` {layer: [B, S]} (the layers that ran their indexer), `positions` [B, S] each
-    query's sequence position, `key_offset` [B] what to subtract from a cache index to get a sequence position
-    (the row's left padding)."""
-    b = positions.shape[0]
+    axis (−1 empty), `margins` {layer: [B, S]} (the layers that ran their indexer), `query_positions` [B, S] each
+    query's sequence position (−1: a query not to record: padding, a rejected draft), `key_positions` [B, T] the
+    sequence position of each cache slot (−1: left padding, a rejected draft's hole)."""
+    b = query_positions.shape[0]
     k = max((t.shape[-1] for t in topk.values()), default=0)
     parts: list[list[tuple]] = [[] for _ in range(b)]
     for layer, margin in sorted(margins.items()):
-        rows, cols = torch.nonzero((margin < tau) & (positions >= 0), as_tuple=True)  # never a padding query
+        rows, cols = torch.nonzero((margin < tau) & (query_positions >= 0), as_tuple=True)
         if rows.numel() == 0:
             continue
         sel = topk[layer][rows, cols]
-        keys = torch.where(sel >= 0, sel - key_offset[rows, None], -1)
+        keys = torch.where(sel >= 0, key_positions[rows[:, None], sel.clamp(min=0)], -1)
         keys = torch.nn.functional.pad(keys, (0, k - keys.shape[-1]), value=-1).to(torch.int32).cpu().numpy()
-        pos = positions[rows, cols].to(torch.int32).cpu().numpy()
+        pos = query_positions[rows, cols].to(torch.int32).cpu().numpy()
         rows = rows.cpu().numpy()  # one transfer, not one per batch row
         for r in range(b):
             mine = rows == r

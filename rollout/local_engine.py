@@ -11,7 +11,8 @@ With `return_routed_experts` (a MoE policy: GLM-5.2), each result also carries t
 routed to (`meta["routed_experts"]`, int16 [prompt + output − 1, layers, k], SGLang's layout: every position the
 model ran, the last sampled token excepted; −1 in the dense layers), for the trainer to replay. With
 `indexer_replay_margin` τ > 0 (GLM-5.2), it carries the indexer's selection of every query whose top-k margin was
-under τ (`meta["indexer_replay"]`, rollout/indexer_replay.py), on the sequence's own positions.
+under τ (`meta["indexer_replay"]`, rollout/indexer_replay.py), on the sequence's own positions (the batch keeps
+each cache slot's position: left padding and, under speculative decoding, rejected drafts' holes are not ones).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class _Batch:
     finish: list[str | None]
     routing: list[list[torch.Tensor]] = field(default_factory=list)  # per row: [positions, layers, k] chunks
     indexer: list[list[dict]] = field(default_factory=list)  # per row: its fragile indexer rows, per forward
+    # indexer replay: the sequence position of each cache slot [n, slots] (−1: left padding, a rejected draft)
+    slot_positions: torch.Tensor | None = None
 
     @property
     def done(self) -> bool:
@@ -94,9 +97,6 @@ class LocalEngine:
             if "indexer_margins" not in inspect.signature(model.forward).parameters:
                 raise ValueError(f"engine.indexer_replay_margin: {type(model).__name__} has no sparse-attention "
                                  "indexer (a GLM-5.2 policy has)")
-            if speculative_steps:
-                raise ValueError("engine.indexer_replay_margin is not recorded under speculative decoding yet: "
-                                 "set engine.speculative_steps=0")
         # the model's keyword for its routing, and the layer count of the routing it reports
         self._routing_kw = {"return_routing": "experts"} if return_routed_experts else {}
         if indexer_replay_margin > 0:
@@ -394,16 +394,20 @@ class LocalEngine:
                 result.meta["indexer_replay"] = indexer_replay.concat(b.indexer[i], k, below=ran)
         return results
 
-    def _record_indexer(self, b: _Batch, out, first_column: int) -> None:
-        """Keep each row's queries of this forward whose indexer margin is under τ (rollout/indexer_replay.py),
-        moved from the cache axis (left padding included) to the row's own positions."""
+    def _record_indexer(self, b: _Batch, out, new_positions: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """Keep each row's queries of this forward whose indexer margin is under τ (rollout/indexer_replay.py), on
+        the rows' own positions. The forward appended cache slots holding `new_positions` [n, s]; under speculative
+        decoding only the first kept[i] + 1 of them stay (the rest are holes, recorded as −1 and never shipped)."""
         if self.indexer_replay_margin <= 0:
             return
-        pad = b.ids.shape[1] - torch.tensor([len(r.input_ids) for r in b.requests], device=b.ids.device)
-        s = next(iter(out.indexer_topk.values())).shape[1]
-        positions = first_column + torch.arange(s, device=pad.device)[None] - pad[:, None]
+        if kept is not None:
+            new_positions = torch.where(torch.arange(new_positions.shape[1], device=kept.device) <= kept[:, None],
+                                        new_positions, -1)
+        b.slot_positions = new_positions if b.slot_positions is None else torch.cat([b.slot_positions,
+                                                                                     new_positions], 1)
         for i, rows in enumerate(indexer_replay.fragile_rows(out.indexer_topk, out.indexer_margins,
-                                                             self.indexer_replay_margin, positions, pad)):
+                                                             self.indexer_replay_margin, new_positions,
+                                                             b.slot_positions)):
             b.indexer[i].append(rows)
 
     def _record_routing(self, b: _Batch, out, columns) -> None:
@@ -442,7 +446,7 @@ class LocalEngine:
                          logits_to_keep=1, **{self._cache_kwarg: cache}, **self._routing_kw)
         width = b.ids.shape[1]  # left padding: row i's prompt is its last len(input_ids) columns
         self._record_routing(b, out, lambda i: slice(width - len(b.requests[i].input_ids), width))
-        self._record_indexer(b, out, 0)
+        self._record_indexer(b, out, torch.where(b.mask > 0, b.positions, -1))
         return out, self._sample_and_emit(b, out.logits[:, -1].float())
 
     @torch.inference_mode()
@@ -463,7 +467,7 @@ class LocalEngine:
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
                              use_cache=True, **{self._cache_kwarg: cache}, **self._routing_kw)
             self._record_routing(b, out, lambda i: slice(0, 1))
-            self._record_indexer(b, out, mask.shape[1] - 1)
+            self._record_indexer(b, out, next_pos)
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
             tokens = self._sample_and_emit(b, logits)
@@ -511,6 +515,7 @@ class LocalEngine:
             kept, following = kept_t.tolist(), token.tolist()
             # the positions this round ran that stay: the last token and the accepted drafts
             self._record_routing(b, out, lambda i: slice(0, kept[i] + 1))
+            self._record_indexer(b, out, verify_pos, kept_t)
             following_lp, draft_ids = logp[rows, kept_t, token].tolist(), drafts.tolist()
             for i in range(n):
                 if b.finish[i] is not None:

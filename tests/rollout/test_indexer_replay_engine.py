@@ -16,8 +16,9 @@ from rollout.types import SamplingParams
 TAU = 1e-4
 
 
-def generate(model, prompts: list[list[int]], new_tokens: int = 20):
-    engine = LocalEngine(model, max_batch_size=8, gather_window_s=0.2, indexer_replay_margin=TAU)
+def generate(model, prompts: list[list[int]], new_tokens: int = 20, speculative_steps: int = 0):
+    engine = LocalEngine(model, max_batch_size=8, gather_window_s=0.2, indexer_replay_margin=TAU,
+                         speculative_steps=speculative_steps)
 
     async def all_of_them():
         return await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=new_tokens, seed=i,
@@ -40,10 +41,17 @@ def trainer_logprobs(model, prompt: list[int], result, replay: bool) -> torch.Te
     return logp[at, torch.tensor(result.output_ids)]
 
 
-def test_the_trainer_recomputes_the_engines_logprobs_when_it_replays_the_rows_under_the_margin(glm52_policy):
+@pytest.mark.parametrize("speculative_steps", [0, 3])
+def test_the_trainer_recomputes_the_engines_logprobs_when_it_replays_the_rows_under_the_margin(glm52_policy,
+                                                                                             speculative_steps):
+    """Plain decoding, and speculative decoding (MTP drafts verified in one forward: the rejected drafts leave
+    holes in the cache, so its slots are not the sequence's positions)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (28, 41, 35)]  # left padding
-    results = generate(glm52_policy, prompts)
+    results = generate(glm52_policy, prompts, speculative_steps=speculative_steps)
+    if speculative_steps:  # some drafts were rejected: their slots became holes
+        assert sum(r.meta["speculative_accepted"] for r in results) < 3 * sum(r.meta["speculative_rounds"]
+                                                                            for r in results)
     k = glm52_policy.config.index_topk
     trainer = copy.deepcopy(glm52_policy)  # an indexer off by 0.1%, as another implementation's rounding may be
     g = torch.Generator().manual_seed(1)
