@@ -83,11 +83,14 @@ class IndexerRows:
                            self.keys.to(device))
 
     def layer(self, layer: int) -> LayerRows | None:
-        """This full layer's rows (key indices as int64, for gathers), or None if it has none."""
-        mine = self.layers == layer
-        if not bool(mine.any()):
-            return None
-        return LayerRows(self.batch[mine], self.query[mine], self.keys[mine].long())
+        """This full layer's rows (key indices as int64, for gathers), or None if it has none. The rows are split
+        by layer once (one host sync a forward, not one a layer)."""
+        if not hasattr(self, "_by_layer"):
+            self._by_layer = {}
+            for i in self.layers.unique().tolist():
+                mine = self.layers == i
+                self._by_layer[i] = LayerRows(self.batch[mine], self.query[mine], self.keys[mine].long())
+        return self._by_layer.get(layer)
 
     def local(self, lo: int, hi: int) -> "IndexerRows":
         """The rows of queries lo ≤ query < hi, on a forward of those queries only (a sequence-parallel chunk:
