@@ -249,7 +249,8 @@ def distill(cfg: DistillConfig) -> dict:
     if state is not None:  # a checkpoint from before the manager holds only the sampler: nothing pending
         rollouts.load_state_dict(state.get("rollout", state), train_tasks)
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
-                           OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
+                           OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start,
+                           resume_record=(state or {}).get("metrics"))
     final: dict = {}
     clock = TimeLimit(cfg.trainer, started)
     with open(run_dir / "guard_audit.jsonl", "a") as audit:
@@ -277,7 +278,9 @@ def distill(cfg: DistillConfig) -> dict:
                 checkpoints.save(step + 1, workers.actor.save,
                                  workers.critic.save if workers.critic is not None else None,
                                  {"step": step + 1, "weight_version": workers.weight_version, "seed": cfg.seed,
-                                  "rollout": rollouts.state_dict()})
+                                  "rollout": rollouts.state_dict(),
+                                  # the step's line so far: a run killed before it reaches metrics.jsonl keeps it
+                                  "metrics": MetricsLogger.record(step + 1, metrics)})
                 metrics["perf/checkpoint_s"] = timer.lap()
             rollouts.step_done(workers.weight_version)
             metrics["perf/step_s"] = timer.total()

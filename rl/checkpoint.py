@@ -1,7 +1,8 @@
 """Checkpoints: HF-format actor and critic, DeepSpeed states (optimizer included), the data position and RNG.
 
-A checkpoint directory is complete once `trainer_state.json` is written; `latest` is updated after that, by an
-atomic rename, so a run killed mid-save resumes from the previous complete checkpoint.
+A checkpoint directory is complete once its `trainer_state.json` exists, written last and by an atomic rename; a
+run resumes from the newest complete one, so a run killed mid-save resumes from the previous one. The `latest`
+file names it too (for people and scripts), updated after it, also by a rename.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ class Checkpointer:
         save_actor(str(folder / "actor"))
         if save_critic is not None:  # None: a run without a critic (pure on-policy distillation)
             save_critic(str(folder / "critic"))
-        (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        tmp = folder / "trainer_state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, folder / "trainer_state.json")
         tmp = self.root / "latest.tmp"
         tmp.write_text(folder.name)
         os.replace(tmp, self.root / "latest")
@@ -38,11 +41,9 @@ class Checkpointer:
         return folder
 
     def latest(self) -> Path | None:
-        pointer = self.root / "latest"
-        if not pointer.exists():
-            return None
-        folder = self.root / pointer.read_text().strip()
-        return folder if (folder / "trainer_state.json").exists() else None
+        """The newest complete checkpoint (even when the run died before updating `latest`), or None."""
+        complete = sorted(p for p in self.root.glob("step_*") if (p / "trainer_state.json").exists())
+        return complete[-1] if complete else None
 
     @staticmethod
     def load_state(folder: Path) -> dict:

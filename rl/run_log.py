@@ -23,12 +23,21 @@ def _clean(value):
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, wandb_mode: str = "offline", project: str = "agentic-rl",
-                 run_name: str = "run", config: dict | None = None, resume_step: int | None = None):
+                 run_name: str = "run", config: dict | None = None, resume_step: int | None = None,
+                 resume_record: dict | None = None):
+        """`resume_step`: the checkpoint's step; the lines of later steps are forgotten (they run again).
+        `resume_record`: that step's line as the checkpoint kept it (`record`), written back if the run died
+        between its checkpoint and its line."""
         self.path = Path(run_dir) / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():  # forget steps logged after the checkpoint
-            kept = [line for line in self.path.read_text().splitlines()
+        restored = None
+        if resume_step is not None:
+            kept = [line for line in (self.path.read_text().splitlines() if self.path.exists() else [])
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(k + "\n" for k in kept))
+            if resume_record is not None and not any(json.loads(k).get("step") == resume_step for k in kept):
+                restored = resume_record
+                kept.append(json.dumps(restored))
+            if self.path.exists() or restored is not None:
+                self.path.write_text("".join(k + "\n" for k in kept))
         self._wandb = None
         if wandb_mode != "disabled":
             import wandb
@@ -36,9 +45,16 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_SILENT", "true")
             self._wandb = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=wandb_mode,
                                      config=config or {}, id=_run_id(run_dir), resume="allow")
+            if restored is not None:
+                self._wandb.log({k: v for k, v in restored.items() if v is not None}, step=restored["step"])
+
+    @staticmethod
+    def record(step: int, metrics: dict) -> dict:
+        """A step's line: JSON-safe (NaN and ±inf as null)."""
+        return {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
 
     def log(self, step: int, metrics: dict) -> None:
-        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        record = self.record(step, metrics)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:

@@ -137,7 +137,8 @@ def train(cfg: Config) -> dict:
     if state is not None:
         rollouts.load_state_dict(state.get("rollout", state), train_tasks)
     logger = MetricsLogger(run_dir, cfg.logging.wandb_mode, cfg.logging.project, cfg.run_name,
-                           OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start)
+                           OmegaConf.to_container(OmegaConf.structured(cfg)), resume_step=start,
+                           resume_record=(state or {}).get("metrics"))
     final: dict = {}
     clock = TimeLimit(cfg.trainer, started)
     background = BackgroundEval()
@@ -168,7 +169,9 @@ def train(cfg: Config) -> dict:
                 timer.lap()
                 checkpoints.save(step + 1, workers.actor.save, workers.critic.save,
                                  {"step": step + 1, "weight_version": workers.weight_version, "seed": cfg.seed,
-                                  "rollout": rollouts.state_dict()})
+                                  "rollout": rollouts.state_dict(),
+                                  # the step's line so far: a run killed before it reaches metrics.jsonl keeps it
+                                  "metrics": MetricsLogger.record(step + 1, metrics)})
                 metrics["perf/checkpoint_s"] = timer.lap()
             rollouts.step_done(workers.weight_version)
             metrics["perf/step_s"] = timer.total()

@@ -17,6 +17,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from rl.checkpoint import Checkpointer
 from rl.config import register_configs
 from rl.run_log import read_metrics
 
@@ -116,18 +117,24 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
     # so that its leftovers can be killed by that path alone. `ray stop --force` would kill every Ray on the
     # machine: it once took down a training job running beside CI.
     ray_tmp = tempfile.mkdtemp(prefix="rlk.", dir=os.environ.get("TMPDIR", "/tmp"))
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
+    killed_log = tmp_path / "killed.log"  # what the killed run printed: the reason, if it ends on its own
+    with open(killed_log, "w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "RAY_TMPDIR": ray_tmp})
     try:
         deadline = time.time() + 600
         while not (run / "checkpoints" / "step_000001" / "trainer_state.json").exists():
-            assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+            assert proc.poll() is None and time.time() < deadline, \
+                "the run ended before its first checkpoint:\n" + killed_log.read_text()[-4000:]
             time.sleep(1)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         kill_processes_under(ray_tmp)
-    killed_at = [r["step"] for r in read_metrics(run / "metrics.jsonl")][-1]
+    # Killed after its first checkpoint: at any point of step 2, or after step 2's checkpoint (even before step
+    # 2's line reached metrics.jsonl: the checkpoint keeps the line). A resume starts from the last checkpoint.
+    killed_at = Checkpointer.load_state(Checkpointer(run).latest())["step"]
     assert killed_at in (1, 2)
     # Resumed under a time limit that one step exceeds: it checkpoints after one step and stops cleanly
     # (unless that step is the last one, which always runs to the end).
@@ -146,13 +153,14 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
                                   "trainer.time_limit_action=finish"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "resumed from" in done.stdout + done.stderr
-    assert json.loads((run / "summary.json").read_text())["finished_early_at_step"] == 3
+    last = 3 if killed_at == 1 else 4  # killed at 2, the limited run ran step 3, the last of its 3, to the end
+    assert json.loads((run / "summary.json").read_text())["finished_early_at_step"] == last
     records = read_metrics(run / "metrics.jsonl")
     assert records[-1]["eval/episodes"] == 4  # the final evaluation: 2 held-out tasks x 2 samples
     assert records[-1]["eval_extra/episodes"] == 1  # and every record of the extra set, once
     steps = [r["step"] for r in records]
-    assert steps == [1, 2, 3]  # each step once: none lost at the checkpoint, none repeated after it
-    assert json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["step"] == 3
+    assert steps == list(range(1, last + 1))  # each step once: none lost at the checkpoint, none repeated after it
+    assert json.loads((run / "checkpoints" / f"step_{last:06d}" / "trainer_state.json").read_text())["step"] == last
 
 
 def test_glm52_tiny_as_policy_and_critic(tmp_path):

@@ -19,7 +19,16 @@ def test_metrics_jsonl_resume_and_plot(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["x"] is None
     assert list((tmp_path / "wandb").glob("offline-run-*"))
-    MetricsLogger(tmp_path, wandb_mode="disabled", resume_step=2).close()  # the checkpoint of step 2 is kept
+    kept = MetricsLogger.record(2, {"rollout/reward_mean": 0.5, "x": float("nan")})
+    MetricsLogger(tmp_path, wandb_mode="disabled", resume_step=2, resume_record=kept).close()  # step 2's checkpoint
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]  # its line not twice
+    # killed between step 3's checkpoint and its line: the checkpoint's copy of the line is written back
+    MetricsLogger(tmp_path, wandb_mode="disabled", resume_step=3,
+                  resume_record=MetricsLogger.record(3, {"rollout/reward_mean": 0.75, "x": float("inf")})).close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and records[3] == {"step": 3, "rollout/reward_mean": 0.75,
+                                                                            "x": None}
+    MetricsLogger(tmp_path, wandb_mode="disabled", resume_step=2).close()  # a checkpoint without a line: as before
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
@@ -33,8 +42,12 @@ def test_checkpointer_latest_and_prune(tmp_path):
     assert ck.latest().name == "step_000003" and Checkpointer.load_state(ck.latest())["step"] == 3
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
     broken = ck.path(4)
-    broken.mkdir()  # killed mid-save: no trainer_state.json, `latest` untouched
+    broken.mkdir()  # killed mid-save: no trainer_state.json (half-written, it would still be the .tmp)
+    (broken / "trainer_state.json.tmp").write_text('{"st')
     assert ck.latest().name == "step_000003"
+    # killed after step 4's state but before `latest` moved: step 4 is complete, and the resume takes it
+    (broken / "trainer_state.json").write_text('{"step": 4}')
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003" and ck.latest().name == "step_000004"
 
 
 def test_sampler_resumes_the_same_order():
