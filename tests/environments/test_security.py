@@ -239,13 +239,20 @@ def test_orphans_and_daemons_die_with_the_call_and_after_close(make):
     assert all(_host_pids(m) == [] for m in (m1, m2, m3))
 
 
+def _wait_for(path: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
 def test_cannot_signal_the_host_or_other_sandboxes(make, host_sleeper):
     proc, _ = host_sleeper
     a, b = make(timeout_s=20), make(timeout_s=20)
     result = {}
-    other = threading.Thread(target=lambda: result.setdefault("b", b.exec("sleep 3; echo b-done")))
+    other = threading.Thread(target=lambda: result.setdefault("b", b.exec("touch ready; sleep 5; echo b-done")))
     other.start()
-    time.sleep(1.0)
+    _wait_for(Path(b.workspace) / "ready")  # b runs: a's kills have something to miss
     r = a.exec(f"kill -9 {proc.pid}; echo host=$?; pkill -9 -x sleep; echo pkill=$?; kill -9 -1; echo after")
     other.join()
     assert "host=1" in r.stdout and "pkill=1" in r.stdout, r
@@ -256,12 +263,12 @@ def test_cannot_signal_the_host_or_other_sandboxes(make, host_sleeper):
 def test_concurrent_sandboxes_cannot_see_each_other(make):
     a, b = make(), make()
     assert a.uid != b.uid and a.workspace != b.workspace
-    running = threading.Thread(target=a.exec, args=("echo secret > /tmp/a-secret; sleep 3",))
+    running = threading.Thread(target=a.exec, args=("echo secret > /tmp/a-secret; touch ready; sleep 5",))
     running.start()
-    time.sleep(1.0)
+    _wait_for(Path(a.workspace) / "ready")  # a's secret and its sleep are there to be seen, if they could be
     seen = b.exec("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; ls /tmp").stdout
     running.join()
-    assert "sleep 3" not in seen and "a-secret" not in seen
+    assert "sleep 5" not in seen and "a-secret" not in seen
     a.write_file("secret.txt", "x")
     assert b.exec("ls -A /workspace").stdout.strip() == ""
     assert b.exec(f"cat {a.workspace}/secret.txt").exit_code != 0

@@ -230,7 +230,9 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(200, {"model_path": app.model_path, "tokenizer_path": app.model_path,
                                     "is_generation": True, "weight_version": app.weight_version})
         if self.path in ("/server_info", "/get_server_info"):
-            return self.reply(200, {"version": "0.5.17", "model_path": app.model_path, "fake": True})
+            # (the decode steps its engine ran: tests wait on them instead of sleeping; not in SGLang's answer)
+            return self.reply(200, {"version": "0.5.17", "model_path": app.model_path, "fake": True,
+                                    "fake_decode_steps": app.engine.stats["decode_steps"]})
         self.reply(404, {"error": f"no route {self.path}"})
 
     def do_POST(self):

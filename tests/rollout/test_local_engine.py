@@ -53,13 +53,17 @@ def test_seed_reproducible_and_batch_independent(engine):
     sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=123)
     alone = run(engine.generate([5, 6, 7], sp))
 
-    async def crowded():
-        others = [engine.generate(list(range(20 + i, 40 + i)), SamplingParams(max_new_tokens=15, seed=i))
-                  for i in range(5)]
-        return (await asyncio.gather(engine.generate([5, 6, 7], sp), *others))[0]
+    async def crowded():  # queued while paused: one batch, however slow the machine
+        await engine.pause()
+        tasks = [asyncio.create_task(engine.generate([5, 6, 7], sp))]
+        tasks += [asyncio.create_task(engine.generate(list(range(20 + i, 40 + i)),
+                                                      SamplingParams(max_new_tokens=15, seed=i))) for i in range(5)]
+        await asyncio.sleep(0)
+        await engine.resume()
+        return (await asyncio.gather(*tasks))[0]
     together = run(crowded())
     assert alone.output_ids == together.output_ids
-    assert together.meta["batch_size"] > 1
+    assert together.meta["batch_size"] == 6
 
 
 def test_stop_tokens_and_strings(engine):

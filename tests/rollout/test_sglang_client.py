@@ -164,15 +164,19 @@ def test_stop_signals_only_its_own_process_group(tmp_path):
 
     server = _Sleeper("sleeper", log_dir=str(tmp_path))
     server.start(wait=False)
-    time.sleep(0.3)
     group = server.proc.pid
-    children = [int(p) for p in subprocess.run(["pgrep", "-g", str(group)], capture_output=True,
-                                               text=True).stdout.split() if int(p) != group]
+    children, deadline = [], time.monotonic() + 10
+    while not children and time.monotonic() < deadline:  # until the leader has forked
+        time.sleep(0.05)
+        children = [int(p) for p in subprocess.run(["pgrep", "-g", str(group)], capture_output=True,
+                                                   text=True).stdout.split() if int(p) != group]
     assert children
     os.kill(group, signal.SIGKILL)  # the leader dies; its child lives on in the group
     server.proc.wait()
     server.stop()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(_alive(c) for c in children)  # the group's survivors were killed
 
     # a stranger that now holds the old leader's pid, leading a group of its own

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -244,11 +246,21 @@ def test_requests_cut_by_a_weight_update_continue_on_the_new_weights(fleet, tiny
     complete, each token stamped with the version that sampled it."""
     from rollout.sglang.weights import sync_from_disk
 
+    def decode_steps() -> list[int]:
+        return [json.loads(urllib.request.urlopen(f"{u}/server_info", timeout=10).read())["fake_decode_steps"]
+                for u in fleet.urls]
+
     async def go(engine):
         # long enough that no request can finish before the update on a quiet machine either
         sampling = [SamplingParams(max_new_tokens=NEW, seed=i, ignore_eos=True) for i in range(4)]
+        before = await asyncio.to_thread(decode_steps)
         requests = [asyncio.create_task(engine.generate([1, 2, 3, i], sampling[i])) for i in range(4)]
-        await asyncio.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until a server has sampled a few tokens for its requests
+            now = await asyncio.to_thread(decode_steps)
+            if any(n - b >= 5 for n, b in zip(now, before)):
+                break
+            await asyncio.sleep(0.05)
         await sync_from_disk(fleet.urls, tiny_path, 21, pause_mode="abort")
         engine.set_weight_version(21)
         return await asyncio.gather(*requests), engine.stats.aborted_by_server

@@ -23,8 +23,16 @@ def model():
 
 
 def generate(engine: LocalEngine, sampling: SamplingParams):
+    """Every prompt in one batch, row i = PROMPTS[i] (queued while the engine is paused, however slow the
+    machine: a gathering window alone could split them)."""
     async def go():
-        return await asyncio.gather(*(engine.generate(p, sampling.replace(seed=i)) for i, p in enumerate(PROMPTS)))
+        await engine.pause()
+        tasks = [asyncio.create_task(engine.generate(p, sampling.replace(seed=i))) for i, p in enumerate(PROMPTS)]
+        await asyncio.sleep(0)  # each task queues its request before its first wait
+        await engine.resume()
+        results = await asyncio.gather(*tasks)
+        assert all(r.meta["batch_size"] == len(PROMPTS) for r in results)
+        return results
     try:
         return asyncio.run(go())
     finally:
