@@ -89,6 +89,12 @@ class Indexer(nn.Module):
         dots = torch.einsum("bchd,btd->bcht", q.float(), k.float()) * self.head_dim ** -0.5
         return torch.einsum("bcht,bch->bct", F.relu(dots), w)
 
+    def engine_rounded(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor):
+        """(q, w, k) rounded as SGLang's DSA kernels score them: q and k through `fp8_act_quant`, the head gates w
+        from a bf16 GEMM (what `indexer_fp8` scores)."""
+        scale = self.n_heads ** -0.5
+        return fp8_act_quant(q), (w / scale).to(torch.bfloat16).float() * scale, fp8_act_quant(k)
+
     @torch.no_grad()
     def select(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, query_index: torch.Tensor,
                key_mask: torch.Tensor | None, bounds: torch.Tensor | None = None,
@@ -108,9 +114,8 @@ class Indexer(nn.Module):
         b, s = q.shape[:2]
         t_all = k.shape[1]
         width = min(self.topk, t_all)
-        if self.fp8:  # as the engine scores (fp8_act_quant); w: SGLang's head gates come from a bf16 GEMM
-            scale = self.n_heads ** -0.5
-            q, k, w = fp8_act_quant(q), fp8_act_quant(k), (w / scale).to(torch.bfloat16).float() * scale
+        if self.fp8:
+            q, w, k = self.engine_rounded(q, w, k)
         out = torch.full((b, s, width), -1, dtype=torch.long, device=q.device)
         margin = torch.full((b, s), float("inf"), device=q.device) if margins else None
         chunk, key_block = self.blocks["fused" if kernels.usable(q) else "torch"]

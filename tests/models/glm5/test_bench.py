@@ -72,3 +72,21 @@ def test_cpu_smoke_run_of_both_sides(tmp_path):
         assert row[side]["tokens_per_s"] > 0, row
     assert "ours/transformers" in run.stdout
     assert "profile of one ours step at 32 tokens" in run.stdout and "SparseMLABackward" in run.stdout
+
+
+def test_indexer_margins_bench_smoke(tmp_path):
+    """bench/indexer_margins.py at a small top-k: the rounding-matched trainer's ε is fp32 rounding and every row
+    whose selection differs lies under 2ε (what makes the margin gate sound); the fp32 trainer's ε is FP8's."""
+    out = tmp_path / "margins.json"
+    subprocess.run([sys.executable, str(BENCH / "indexer_margins.py"), "--lengths", "400", "--topk", "64",
+                    "--sample", "16", "--threads", "1", "--out", str(out)], check=True, capture_output=True,
+                   timeout=600)
+    results = json.loads(out.read_text())["results"]
+    assert [r["tokens"] for r in results] == ["random", "docs"]
+    for r in results:
+        fp8, fp32 = r["fp8_trainer"], r["fp32_trainer"]
+        assert r["rows_with_a_choice"] == 400 - 64
+        assert fp8["eps_max"] < 1e-5 < 1e-3 < fp32["eps_max"]
+        assert fp8["sound_at_2eps"] and fp32["sound_at_2eps"]
+        assert fp32["rows_differing"] > fp8["rows_differing"]
+        assert fp8["full_replay_bytes_per_token_per_full_layer"] == 4 * 64
