@@ -37,7 +37,7 @@ from rl.data import TaskSampler
 from rl.rollout_manager import RolloutManager
 from rl.run_log import MetricsLogger, plot_curves
 from rl.trajectory_metrics import trajectory_metrics
-from rl.loop import TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
+from rl.loop import TimeLimit, Timer, check_sandbox, checkpoint_state, prepare_run_dir, write_audit
 
 log = logging.getLogger("opd.distill")
 
@@ -277,10 +277,7 @@ def distill(cfg: DistillConfig) -> dict:
                 timer.lap()
                 checkpoints.save(step + 1, workers.actor.save,
                                  workers.critic.save if workers.critic is not None else None,
-                                 {"step": step + 1, "weight_version": workers.weight_version, "seed": cfg.seed,
-                                  "rollout": rollouts.state_dict(),
-                                  # the step's line so far: a run killed before it reaches metrics.jsonl keeps it
-                                  "metrics": MetricsLogger.record(step + 1, metrics)})
+                                 checkpoint_state(step + 1, cfg, workers, rollouts, metrics))
                 metrics["perf/checkpoint_s"] = timer.lap()
             rollouts.step_done(workers.weight_version)
             metrics["perf/step_s"] = timer.total()

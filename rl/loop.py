@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from environments import make_sandbox
+from rl.run_log import MetricsLogger
 
 log = logging.getLogger("rl.loop")
 
@@ -131,3 +132,11 @@ def prepare_run_dir(cfg) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return run_dir
+
+
+def checkpoint_state(step: int, cfg, workers, rollouts, metrics: dict) -> dict:
+    """What a checkpoint holds beside the weights: the step, the weight version, the seed, the rollout manager's
+    state, and the step's metrics line so far (a run killed before that line reaches metrics.jsonl gets it back
+    on resume: `MetricsLogger(resume_record=...)`)."""
+    return {"step": step, "weight_version": workers.weight_version, "seed": cfg.seed,
+            "rollout": rollouts.state_dict(), "metrics": MetricsLogger.record(step, metrics)}

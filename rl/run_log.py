@@ -31,13 +31,14 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         restored = None
         if resume_step is not None:
-            kept = [line for line in (self.path.read_text().splitlines() if self.path.exists() else [])
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            if resume_record is not None and not any(json.loads(k).get("step") == resume_step for k in kept):
+            lines = self.path.read_text().splitlines() if self.path.exists() else []
+            kept = [(line, json.loads(line).get("step", 0)) for line in lines if line.strip()]
+            kept = [(line, step) for line, step in kept if step <= resume_step]
+            if resume_record is not None and not any(step == resume_step for _, step in kept):
                 restored = resume_record
-                kept.append(json.dumps(restored))
+                kept.append((json.dumps(restored), resume_step))
             if self.path.exists() or restored is not None:
-                self.path.write_text("".join(k + "\n" for k in kept))
+                self.path.write_text("".join(line + "\n" for line, _ in kept))
         self._wandb = None
         if wandb_mode != "disabled":
             import wandb

@@ -27,7 +27,8 @@ from rl.cluster import Workers, engine_metrics, guard_metrics, run_episodes, sta
 from rl.config import Config, overlaps_models, register_configs, validate
 from rl.data import TaskSampler
 from rl.group import TrainerRankDied
-from rl.loop import BackgroundEval, TimeLimit, Timer, check_sandbox, prepare_run_dir, write_audit
+from rl.loop import (BackgroundEval, TimeLimit, Timer, check_sandbox, checkpoint_state, prepare_run_dir,
+                     write_audit)
 from rl.run_log import MetricsLogger, plot_curves
 from rl.rollout_manager import RolloutManager
 from rl.trajectory_metrics import trajectory_metrics
@@ -168,10 +169,7 @@ def train(cfg: Config) -> dict:
             if last or out_of_time or (t.save_every and (step + 1) % t.save_every == 0):
                 timer.lap()
                 checkpoints.save(step + 1, workers.actor.save, workers.critic.save,
-                                 {"step": step + 1, "weight_version": workers.weight_version, "seed": cfg.seed,
-                                  "rollout": rollouts.state_dict(),
-                                  # the step's line so far: a run killed before it reaches metrics.jsonl keeps it
-                                  "metrics": MetricsLogger.record(step + 1, metrics)})
+                                 checkpoint_state(step + 1, cfg, workers, rollouts, metrics))
                 metrics["perf/checkpoint_s"] = timer.lap()
             rollouts.step_done(workers.weight_version)
             metrics["perf/step_s"] = timer.total()

@@ -33,9 +33,7 @@ class LayerRows:
         """The layer's own selection [B, S, k'] with the replayed rows' keys written over their rows (the
         narrower of the two padded with −1)."""
         width = max(own.shape[-1], self.keys.shape[-1])
-        out = F.pad(own, (0, width - own.shape[-1]), value=-1)
-        if out is own:
-            out = own.clone()  # the caller's tensor stays as it was (it may be recorded for a replay)
+        out = F.pad(own, (0, width - own.shape[-1]), value=-1)  # a new tensor: the caller's stays as it was
         out[self.batch, self.query] = F.pad(self.keys, (0, width - self.keys.shape[-1]), value=-1).to(out.dtype)
         return out
 
@@ -97,14 +95,3 @@ class IndexerRows:
         the query axis is the chunk's, the key axis stays the whole sequence's)."""
         mine = (self.query >= lo) & (self.query < hi)
         return IndexerRows(self.batch[mine], self.query[mine] - lo, self.layers[mine], self.keys[mine])
-
-    def dense(self, batch: int, queries: int) -> dict[int, torch.Tensor]:
-        """The same replay as the model's dense form {layer: [batch, queries, k]}, −1 rows except the replayed ones
-        (for the engine's own checks and for tests; the trainer never builds it)."""
-        out = {}
-        for layer in sorted(set(self.layers.tolist())):
-            rows = self.layer(layer)
-            t = torch.full((batch, queries, self.keys.shape[1]), -1, dtype=torch.int32, device=self.keys.device)
-            t[rows.batch, rows.query] = rows.keys.to(torch.int32)
-            out[layer] = t
-        return out

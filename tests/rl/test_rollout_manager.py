@@ -263,13 +263,14 @@ def test_a_task_that_always_outlasts_the_bound_is_given_up_and_counted(ray_sessi
     manager = RolloutManager(workers, TaskSampler(tasks, 0), 2, 1, 8, seed=0).start()
     # each attempt is aborted two versions after it started; a re-run submitted a step late (a loaded machine)
     # pushes the last abort later, so step until it is given up (2 · STALE_ATTEMPTS + 2 steps when nothing lags)
+    def sync(version):
+        ray.get([w.set_version.remote(version) for w in workers])
+
     batches = []
     while len(batches) < 6 * STALE_ATTEMPTS and not sum(m["async/gave_up"] for _, m, _ in batches):
-        batches += train_steps_from(manager, workers, len(batches),
-                                    lambda v: ray.get([w.set_version.remote(v) for w in workers]))
-    batches += [b for step in range(len(batches), len(batches) + 2)
-                for b in train_steps_from(manager, workers, step,
-                                          lambda v: ray.get([w.set_version.remote(v) for w in workers]))]
+        batches += train_steps_from(manager, workers, len(batches), sync)
+    for _ in range(2):  # and two steps more: it is not given up twice
+        batches += train_steps_from(manager, workers, len(batches), sync)
     manager.stop()
     ray.get([w.release.remote() for w in workers])
     # its STALE_ATTEMPTS aborts (and, on a loaded machine, perhaps a slow ordinary episode's)

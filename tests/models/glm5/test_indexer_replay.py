@@ -92,6 +92,17 @@ def test_replaying_the_rows_under_the_margin_makes_a_perturbed_indexer_agree(glm
     assert 0 < share < 0.2, share
 
 
+def dense_of(rows: IndexerRows, batch: int, queries: int) -> dict[int, torch.Tensor]:
+    """The dense partial replay {layer: [batch, queries, k]} that sparse rows stand for (−1 rows elsewhere)."""
+    out = {}
+    for layer in sorted(set(rows.layers.tolist())):
+        mine = rows.layer(layer)
+        t = torch.full((batch, queries, rows.keys.shape[1]), -1, dtype=torch.int32)
+        t[mine.batch, mine.query] = mine.keys.to(torch.int32)
+        out[layer] = t
+    return out
+
+
 def sparse_of(dense: dict[int, torch.Tensor]) -> IndexerRows:
     """A dense partial replay's replayed rows (any key ≥ 0) as each batch row's shipped rows, then placed."""
     per_row = []
@@ -116,11 +127,11 @@ def test_sparse_rows_are_the_dense_partial_replay_forward_and_backward(glm52_pol
     partial = {layer: torch.where(rows[..., None], sel.roll(1, dims=1), -1) for layer, sel in own.indexer_topk.items()}
     sparse = sparse_of(partial)
     assert len(sparse) == int(rows.sum()) * len(partial)
-    assert {i: t.tolist() for i, t in sparse.dense(2, 48).items()} == {i: t.tolist() for i, t in partial.items()}
+    assert {i: t.tolist() for i, t in dense_of(sparse, 2, 48).items()} == {i: t.tolist() for i, t in partial.items()}
     for lo, hi in ((0, 24), (24, 48), (40, 44)):
         chunk = sparse.local(lo, hi)
         assert len(chunk) == int(rows[:, lo:hi].sum()) * len(partial)
-        local = chunk.dense(2, hi - lo)
+        local = dense_of(chunk, 2, hi - lo)
         for layer, t in partial.items():
             assert torch.equal(local.get(layer, torch.full_like(t[:, lo:hi], -1)), t[:, lo:hi])
     model = copy.deepcopy(glm52_policy).train()
