@@ -69,8 +69,10 @@ class _Batch:
     finish: list[str | None]
     routing: list[list[torch.Tensor]] = field(default_factory=list)  # per row: [positions, layers, k] chunks
     indexer: list[list[dict]] = field(default_factory=list)  # per row: its fragile indexer rows, per forward
-    # indexer replay: the sequence position of each cache slot [n, slots] (−1: left padding, a rejected draft)
+    # indexer replay: the sequence position of each cache slot [n, capacity] (−1: left padding, a rejected draft),
+    # the first slots_used filled; grown by doubling, so that a long generation does not copy it at every step
     slot_positions: torch.Tensor | None = None
+    slots_used: int = 0
 
     @property
     def done(self) -> bool:
@@ -403,11 +405,9 @@ class LocalEngine:
         if kept is not None:
             new_positions = torch.where(torch.arange(new_positions.shape[1], device=kept.device) <= kept[:, None],
                                         new_positions, -1)
-        b.slot_positions = new_positions if b.slot_positions is None else torch.cat([b.slot_positions,
-                                                                                     new_positions], 1)
         for i, rows in enumerate(indexer_replay.fragile_rows(out.indexer_topk, out.indexer_margins,
                                                              self.indexer_replay_margin, new_positions,
-                                                             b.slot_positions)):
+                                                             _append_slots(b, new_positions))):
             b.indexer[i].append(rows)
 
     def _record_routing(self, b: _Batch, out, columns) -> None:
@@ -554,3 +554,17 @@ def _set_result(future: asyncio.Future, result) -> None:
 def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def _append_slots(b: _Batch, new_positions: torch.Tensor) -> torch.Tensor:
+    """Append a forward's cache slots' positions [n, s] to the batch's; returns the filled part [n, slots_used]."""
+    n, s = new_positions.shape
+    used = b.slots_used
+    if b.slot_positions is None or used + s > b.slot_positions.shape[1]:
+        grown = torch.full((n, max(2 * (used + s), 64)), -1, dtype=new_positions.dtype, device=new_positions.device)
+        if b.slot_positions is not None:
+            grown[:, :used] = b.slot_positions[:, :used]
+        b.slot_positions = grown
+    b.slot_positions[:, used:used + s] = new_positions
+    b.slots_used = used + s
+    return b.slot_positions[:, :b.slots_used]

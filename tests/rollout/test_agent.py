@@ -3,8 +3,6 @@
 import asyncio
 import json
 
-import pytest
-
 from antihack import Guard
 from environments import TOOL_SPECS
 from rollout.agent import AgentEpisode, EpisodeRuntime

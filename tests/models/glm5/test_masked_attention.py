@@ -22,7 +22,7 @@ def layer(seed=0):
 
 def inputs(mla, b=2, s=11, t=14, k=6, seed=0):
     g = torch.Generator().manual_seed(seed)
-    h, cfg = mla.n_heads, mla
+    cfg = mla
     x = torch.randn(b, s, 256, generator=g, dtype=torch.float64)
     pos = torch.arange(t - s, t, dtype=torch.float64)[None, :, None] * torch.linspace(0.1, 1.0, 8, dtype=torch.float64)
     cos, sin = pos.cos().expand(b, -1, -1), pos.sin().expand(b, -1, -1)
