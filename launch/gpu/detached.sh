@@ -6,7 +6,7 @@
 # The commands run from the repo root after launch/gpu/setup.sh (SGLANG_DENSE as the caller sets it), with
 # $RESULTS (/tmp/rl-out/NAME/results) for what should come back and ${SGLANG_OVERRIDES[*]} for rl.train. Each
 # call prints the log's new lines until the job ends or CALL_S seconds pass, then copies the log and everything
-# under $RESULTS to $OUT.
+# under $RESULTS, as one tar (NAME-results.tar, in 15 MiB parts if larger), to $OUT.
 set -uo pipefail
 source launch/gpu/setup.sh
 VERB=$1 CALL_S=$2 NAME=$3
@@ -24,5 +24,11 @@ fi
 follow_log "$CALL_S"
 follow_running && echo "detached $NAME: still running" || echo "detached $NAME: ended"
 cp "$LOG" "${OUT:-/tmp}/$NAME.log"
-cp -r "$RESULTS"/. "${OUT:-/tmp}/" 2>/dev/null
+# one file, whatever the runs wrote (a call brings back at most 8 files of 16 MiB): $NAME-results.tar[.partNN]
+tar -C "$RESULTS" -cf "/tmp/rl-out/$NAME/results.tar" . 2>/dev/null
+if [ "$(stat -c %s "/tmp/rl-out/$NAME/results.tar")" -le $((15 * 1024 * 1024)) ]; then
+  cp "/tmp/rl-out/$NAME/results.tar" "${OUT:-/tmp}/$NAME-results.tar"
+else
+  split -b 15M -d -a 2 "/tmp/rl-out/$NAME/results.tar" "${OUT:-/tmp}/$NAME-results.tar.part"
+fi
 exit 0

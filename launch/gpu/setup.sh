@@ -31,6 +31,8 @@ if [ ! -f $SGL/.unpacked ] && [ -f /tmp/rl-sgl-parts/NPARTS ] \
   mkdir -p $SGL && cat /tmp/rl-sgl-parts/site.tar.xz.part* | xz -d -T0 | tar -x -C $SGL && touch $SGL/.unpacked
 fi
 [ -f $SGL/.unpacked ] && export RL_SGLANG_PYTHONPATH=$SGL
+# A checkpoint an earlier session's machine handed over (launch/gpu/handover.sh): its parts, as they arrive.
+bash launch/gpu/handover.sh gather
 echo "setup: sglang $([ -f $SGL/.unpacked ] && echo ready || echo "parts: $(ls /tmp/rl-sgl-parts | tr '\n' ' ')")"
 echo "setup: stack $([ -f $STACK/.unpacked ] && echo ready || echo missing)," \
      "policy $([ -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && echo ready || echo "parts: $(ls /tmp/rl-gguf | tr '\n' ' ')")"
@@ -87,6 +89,6 @@ follow_show_new() {  # the log lines not shown by an earlier call
   local shown total
   shown=$(cat "$LOG.shown" 2>/dev/null || echo 0) total=$(wc -l <"$LOG")
   tail -n +"$((shown + 1))" "$LOG" | head -n "$((total - shown))" \
-    | grep -v -E "it/s\]|ep/s\]|Loading weights|Writing model shards"
+    | grep -v -E "it/s\]|ep/s\]|s/step\]|Loading weights|Writing model shards|HTTP Request: "
   echo "$total" >"$LOG.shown"
 }
