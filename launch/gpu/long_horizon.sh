@@ -29,16 +29,11 @@ collect() {  # RUN_DIR [PREFIX]: metrics, summary, config, curves and the decode
 }
 collect_run() { collect "$ROOT/$1"; }
 SFT=$ROOT/${EXPERIMENT}_sft
-# An SFT checkpoint an earlier session handed over (launch/gpu/handover.sh; docs/RESULTS.md says which) is used as
-# it is: the SFT and its evaluations take about 800 s of a session's 1,800 on the H200.
-[ -f "$SFT/hf/config.json" ] || bash launch/gpu/handover.sh unpack "${EXPERIMENT}_sft" "$SFT" 2>/dev/null
 if [ ! -f "$SFT/hf/config.json" ]; then
   # shellcheck disable=SC2086  # SFT_ARGS: space-separated Hydra overrides
   python3 -m rl.sft +experiment="$EXPERIMENT" output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" ${SFT_ARGS:-} \
     || { echo "long_horizon: rl.sft failed"; collect "$SFT" sft; exit 1; }
   collect "$SFT" sft
-  # for later sessions: `handover.sh fetch long_horizon_gen_gpu_sft` in each following call brings it back
-  bash launch/gpu/handover.sh pack "$SFT/hf" "${EXPERIMENT}_sft" &
 fi
 left=$((TIME_S - (SECONDS - started)))
 echo "long_horizon: SFT done after $((SECONDS - started)) s; PPO gets $left s"

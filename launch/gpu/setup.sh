@@ -31,8 +31,6 @@ if [ ! -f $SGL/.unpacked ] && [ -f /tmp/rl-sgl-parts/NPARTS ] \
   mkdir -p $SGL && cat /tmp/rl-sgl-parts/site.tar.xz.part* | xz -d -T0 | tar -x -C $SGL && touch $SGL/.unpacked
 fi
 [ -f $SGL/.unpacked ] && export RL_SGLANG_PYTHONPATH=$SGL
-# A checkpoint an earlier session's machine handed over (launch/gpu/handover.sh): its parts, as they arrive.
-bash launch/gpu/handover.sh gather
 echo "setup: sglang $([ -f $SGL/.unpacked ] && echo ready || echo "parts: $(ls /tmp/rl-sgl-parts | tr '\n' ' ')")"
 echo "setup: stack $([ -f $STACK/.unpacked ] && echo ready || echo missing)," \
      "policy $([ -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && echo ready || echo "parts: $(ls /tmp/rl-gguf | tr '\n' ' ')")"
