@@ -121,3 +121,27 @@ def test_the_models_overlap_only_on_gpus_of_their_own():
     assert overlaps_models(TrainerConfig(actor_gpus=1, critic_gpus=1))
     assert overlaps_models(TrainerConfig(overlap_models="on")) and not overlaps_models(
         TrainerConfig(actor_gpus=1, critic_gpus=1, overlap_models="off"))
+
+
+def test_long_horizon_advantages_credit_a_solved_episode_from_its_start():
+    """The long-horizon experiments' λ_policy with the critic still at zero (a run's first step): whitened over the
+    batch, the advantages must push a solved episode's early actions up, not down as a failed episode's. At
+    λ = 0.95 over 300-900 action tokens they pushed both down alike (docs/RESULTS.md, 2026-12-04)."""
+    import torch
+
+    from rl.batch import compute_gae, masked_whiten
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(300, 900, (64,), generator=g)
+    solved = torch.rand(64, generator=g) < 0.6
+    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    rewards = torch.zeros(mask.shape, dtype=torch.float64)
+    rewards[torch.arange(64), lengths - 1] = solved.double()
+    early = mask & (torch.arange(mask.shape[1])[None, :] < lengths[:, None] // 2)
+    for experiment in ("long_horizon_gpu", "long_horizon_gen_gpu"):
+        algo = composed(f"+experiment={experiment}").algorithm
+        assert algo.lam_policy < 1  # else the chained/per-segment ablation compares two equal things
+        adv, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, algo.gamma, algo.lam_policy)
+        adv = masked_whiten(adv, mask.double())
+        assert float(adv[early & solved[:, None]].mean()) > 0 > float(adv[early & ~solved[:, None]].mean())
+        assert float((adv[mask & solved[:, None]] < 0).double().mean()) < 0.5
