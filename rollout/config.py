@@ -95,6 +95,11 @@ class EngineConfig:
                        "(SGLang servers take their own --speculative-* arguments in engine.sglang.args)")
         if self.num_workers < 1:
             out.append(f"{prefix}.num_workers must be >= 1")
+        if self.indexer_replay_margin < 0 or (self.indexer_replay_margin and self.type != "local"):
+            # SGLang reports no margins, and its top-k differs from the trainer's on 96-99% of positions by a key or
+            # more (docs/BENCHMARKS.md): a margin gate there would ship nearly every row
+            out.append(f"{prefix}.indexer_replay_margin={self.indexer_replay_margin}: τ ≥ 0, for the LocalEngine "
+                       "(SGLang reports no indexer margins)")
         if self.type == "sglang":
             out += self.sglang.problems(f"{prefix}.sglang")
         return out

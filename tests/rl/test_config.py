@@ -87,6 +87,11 @@ def test_semantic_validation():
     for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward", "trainer.eval_samples",
                 "trainer.time_limit_action"):
         assert key in str(err.value)
+    # indexer replay is the LocalEngine's: refused for SGLang before anything starts
+    validate(composed("+experiment=coding_ppo_tiny", "model=glm52_tiny", "engine.indexer_replay_margin=1e-4"))
+    with pytest.raises(ValueError, match="engine.indexer_replay_margin"):
+        validate(composed("+experiment=coding_ppo_tiny", "model=glm52_tiny", "engine.type=sglang",
+                          "engine.indexer_replay_margin=1e-4"))
 
 
 def test_expert_and_sequence_parallel_are_validated():
