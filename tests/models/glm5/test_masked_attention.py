@@ -22,12 +22,11 @@ def layer(seed=0):
 
 def inputs(mla, b=2, s=11, t=14, k=6, seed=0):
     g = torch.Generator().manual_seed(seed)
-    cfg = mla
     x = torch.randn(b, s, 256, generator=g, dtype=torch.float64)
     pos = torch.arange(t - s, t, dtype=torch.float64)[None, :, None] * torch.linspace(0.1, 1.0, 8, dtype=torch.float64)
     cos, sin = pos.cos().expand(b, -1, -1), pos.sin().expand(b, -1, -1)
     queries = mla.queries(x, cos, sin)
-    latents = torch.randn(b, t, cfg.d_c + cfg.d_rope, generator=g, dtype=torch.float64, requires_grad=True)
+    latents = torch.randn(b, t, mla.d_c + mla.d_rope, generator=g, dtype=torch.float64, requires_grad=True)
     query_index = torch.arange(t - s, t).expand(b, s).clone()  # the first t − s keys are "cached"
     key_mask = torch.ones(b, t, dtype=torch.long)
     key_mask[1, :4] = 0  # left padding
