@@ -18,7 +18,9 @@ far any trained token may lag the policy being trained:
   become too stale is aborted and re-run the same way (`async/aborted_stale`; judged by the version served when
   it was submitted, a lower bound of its oldest token's). Every task drawn is trained on once, from one complete
   attempt, except a task whose episodes outlast the bound STALE_ATTEMPTS times: it is given up and counted
-  (`async/gave_up`), the bias toward shorter episodes that any staleness bound has, made visible.
+  (`async/gave_up`), the bias toward shorter episodes that any staleness bound has, made visible. It stands in
+  its batch as an aborted trajectory (never trained on): admission counts tickets, so with K = 0 its batch would
+  otherwise never fill.
 
 Partial rollouts: weight updates reach the engines while episodes run; their generations pause and continue on
 the new weights, each token keeping the version that sampled it (rollout/local_engine.py, rollout/sglang/).
@@ -66,6 +68,7 @@ class Ticket:
     submitted_at: float = 0.0
     incarnation: int = 0  # the worker's restart count when it was submitted
     lost: int = 0  # attempts that died with their worker
+    given_up: bool = False  # its place in the buffer holds a placeholder: nothing to run again after a resume
 
     def rollout_id(self, tag: str) -> str:
         return f"{tag}-{self.index}" + (f"r{self.attempt}" if self.attempt else "")
@@ -202,8 +205,8 @@ class RolloutManager:
         """What a checkpoint needs to go on without losing or repeating a task: the sampler's position and the
         tickets drawn but not yet trained on (in flight or in the buffer), which a resumed run runs again first."""
         with self._cond:
-            pending = sorted([t for t in self._inflight.values()] + [t for t, _ in self._ready] + list(self._requeued),
-                             key=lambda t: t.index)
+            buffered = [t for t, _ in self._ready if not t.given_up]
+            pending = sorted(list(self._inflight.values()) + buffered + list(self._requeued), key=lambda t: t.index)
             return {"sampler": self.sampler.state_dict(), "next_index": self._next_index,
                     "pending": [{"index": t.index, "task": t.task.id, "seed": t.seed} for t in pending]}
 
@@ -277,11 +280,8 @@ class RolloutManager:
             self._down(ticket.worker, error)
         self.counts["episodes_lost"] += 1
         if ticket.lost >= 1:
-            self.counts["gave_up"] += 1
             log.warning("task %s: lost with its worker twice; given up", ticket.task.id)
-            self._ready.append((ticket, Trajectory(ticket.rollout_id(self.tag), ticket.task.id, [],
-                                                   finish_reason="error", domain=ticket.task.domain,
-                                                   grade_details={"error": f"lost with its worker twice: {error}"})))
+            self._give_up(ticket, "error", f"lost with its worker twice: {error}")
             return
         self._requeued.appendleft(dataclasses.replace(ticket, attempt=ticket.attempt + 1, lost=ticket.lost + 1))
 
@@ -329,25 +329,32 @@ class RolloutManager:
 
     def _drop_stale(self) -> None:
         """Buffer entries with a token more than K versions behind the policy: dropped, their tasks re-run."""
-        keep = []
-        for ticket, traj in self._ready:
+        ready, self._ready = self._ready, []
+        for ticket, traj in ready:
             oldest = traj.oldest_version()
             if oldest is not None and self.version - oldest > self.max_staleness:
                 self.counts["dropped_stale"] += 1
                 self._attached.pop(traj.rollout_id, None)
-                self._rerun_stale(ticket)
+                self._rerun_stale(ticket)  # (a task given up enters the buffer again, as its placeholder)
             else:
-                keep.append((ticket, traj))
-        self._ready = keep
+                self._ready.append((ticket, traj))
 
     def _rerun_stale(self, ticket: Ticket) -> None:
         if ticket.stale_attempts + 1 >= STALE_ATTEMPTS:
-            self.counts["gave_up"] += 1
             log.warning("task %s: %d attempts outlasted trainer.max_staleness=%d; given up", ticket.task.id,
                         STALE_ATTEMPTS, self.max_staleness)
+            self._give_up(ticket, "aborted", f"given up: {STALE_ATTEMPTS} attempts outlasted the staleness bound")
             return
         self._requeued.append(dataclasses.replace(ticket, attempt=ticket.attempt + 1,
                                                   stale_attempts=ticket.stale_attempts + 1))
+
+    def _give_up(self, ticket: Ticket, finish_reason: str, why: str) -> None:
+        """A task given up (the caller holds the lock): counted, and in the buffer as a trajectory with nothing to
+        train on (rl.batch.trainable drops it), which takes its ticket's place so that no batch waits for it."""
+        self.counts["gave_up"] += 1
+        placeholder = Trajectory(ticket.rollout_id(self.tag), ticket.task.id, [], domain=ticket.task.domain,
+                                 finish_reason=finish_reason, grade_details={finish_reason: why})
+        self._ready.append((dataclasses.replace(ticket, given_up=True), placeholder))
 
     def _admitted(self, index: int) -> bool:
         return index // self.batch_size <= self._released + self.max_staleness

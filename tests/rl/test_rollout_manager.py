@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from rl.data import TaskSampler
-from rl.rollout_manager import RolloutManager, episode_seed
+from rl.rollout_manager import STALE_ATTEMPTS, RolloutManager, episode_seed
 from rollout.types import Segment, Trajectory
 
 TOKENS = 6  # tokens per fake episode, one per tick
@@ -114,6 +114,16 @@ def train_steps(manager, workers, steps, on_batch=None, sync=None):
             ray.get([w.set_version.remote(step + 1) for w in workers])
         manager.step_done(step + 1)
     return batches
+
+
+def _within(seconds, fn, *args, **kwargs):
+    """fn(*args, **kwargs), failing the test if it has not returned within `seconds` (a hang fails fast)."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args, **kwargs)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"{fn.__name__} did not return within {seconds} s"
+    return out[0]
 
 
 def train_steps_from(manager, workers, step, sync):
@@ -256,8 +266,6 @@ def test_resume_reruns_the_pending_episodes_once(ray_session, shipped_tasks):
 
 
 def test_a_task_that_always_outlasts_the_bound_is_given_up_and_counted(ray_session, shipped_tasks):
-    from rl.rollout_manager import STALE_ATTEMPTS
-
     tasks = shipped_tasks.split("train")
     workers = [SkewedWorker.remote([1], [2], gate_retries=True)]
     manager = RolloutManager(workers, TaskSampler(tasks, 0), 2, 1, 8, seed=0).start()
@@ -276,8 +284,25 @@ def test_a_task_that_always_outlasts_the_bound_is_given_up_and_counted(ray_sessi
     # its STALE_ATTEMPTS aborts (and, on a loaded machine, perhaps a slow ordinary episode's)
     assert sum(m["async/aborted_stale"] for _, m, _ in batches) >= STALE_ATTEMPTS
     assert sum(m["async/gave_up"] for _, m, _ in batches) == 1
-    trained = [t.rollout_id for trajs, _, _ in batches for t in trajs]
-    assert not [r for r in trained if r.startswith("ep-2")]  # none of its attempts was trained on
+    # none of its attempts was trained on: its place in the batch holds an aborted placeholder with nothing in it
+    held = [t for trajs, _, _ in batches for t in trajs if t.rollout_id.startswith("ep-2")]
+    assert [(t.finish_reason, t.segments) for t in held] == [("aborted", [])]
+    assert "given up" in held[0].grade_details["aborted"]
+
+
+def test_with_k0_a_task_given_up_for_staleness_still_lets_its_batch_complete(ray_session, shipped_tasks):
+    """K = 0 admits only the step's tickets: a task given up must still fill its place, or the step waits forever.
+    Here the weights never reach the engine (a broken sync), so every episode after the first step is stale."""
+    tasks = shipped_tasks.split("train")
+    workers = [SkewedWorker.remote([1], [])]
+    manager = RolloutManager(workers, TaskSampler(tasks, 0), 2, 0, 8, seed=0).start()
+    batches = _within(120, train_steps, manager, workers, 2, sync=lambda v: None)
+    state = manager.state_dict()
+    manager.stop()
+    assert [t.finish_reason for t in batches[0][0]] == ["submitted", "submitted"]
+    assert [t.finish_reason for t in batches[1][0]] == ["aborted", "aborted"]
+    assert batches[1][1]["async/gave_up"] == 2 and batches[1][1]["async/dropped_stale"] == 2 * STALE_ATTEMPTS
+    assert {p["index"] for p in state["pending"]} <= {4, 5}  # the given-up tasks are not run again after a resume
 
 
 def test_a_worker_that_dies_is_restarted_with_the_weights_and_no_episode_is_lost_or_repeated(
@@ -337,8 +362,18 @@ def test_a_task_lost_twice_stands_as_an_error_so_the_synchronous_batch_completes
     workers = [SkewedWorker.options(max_restarts=3, max_task_retries=0).remote([2], [], die_at=1, die_flag="always",
                                                                                die_alone=True)
                for _ in range(2)]
-    manager = RolloutManager(workers, TaskSampler(tasks, 4), 4, 0, 8, seed=0).start()
-    batches = train_steps(manager, workers, 2, sync=lambda v: [_try(w.set_version.remote(v)) for w in workers])
+    served = [0]
+
+    def sync(version):  # as ObjectStoreSync.push: a worker that is restarting misses it
+        served[0] = version
+        for w in workers:
+            _try(w.set_version.remote(version))
+
+    def on_restart(w):  # as ObjectStoreSync.refresh: a restarted worker gets the version the others serve
+        ray.get(workers[w].set_version.remote(served[0]))
+
+    manager = RolloutManager(workers, TaskSampler(tasks, 4), 4, 0, 8, seed=0, on_restart=on_restart).start()
+    batches = _within(600, train_steps, manager, workers, 2, sync=sync)
     manager.stop()
     first = batches[0][0]
     assert len(first) == 4 and [t.finish_reason for t in first].count("error") == 1
