@@ -11,10 +11,10 @@ import pickle
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.batching import shard_by_tokens
 from models.deepspeed_worker import DistEnv, OptimConfig, free_port
+from tests.ranks import spawn
 
 
 def global_batch(n: int = 7, equal: bool = False, replay: bool = False, late: bool = False) -> list[dict]:
@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, port: int, model: str, role: str, zero: int, ou
 
 def train_world(world: int, model: str, role: str, zero: int, tmp_path, ep: int = 1, sp: int = 1) -> dict:
     out = str(tmp_path / f"{role}-{model}-{world}-{zero}-{ep}-{sp}.pkl")
-    mp.spawn(_rank, args=(world, free_port(), model, role, zero, out, ep, sp), nprocs=world, join=True)
+    spawn(_rank, (world, free_port(), model, role, zero, out, ep, sp), world)
     with open(out, "rb") as f:
         return pickle.load(f)
 
@@ -225,7 +225,7 @@ def _script(rank: int, world: int, port: int, model: str, role: str, zero: int, 
 
 
 def run_script(world: int, model: str, role: str, zero: int, ops: list, out: str, ep: int = 1) -> dict:
-    mp.spawn(_script, args=(world, free_port(), model, role, zero, ops, out, ep), nprocs=world, join=True)
+    spawn(_script, (world, free_port(), model, role, zero, ops, out, ep), world)
     with open(out, "rb") as f:
         return pickle.load(f)
 
@@ -308,7 +308,7 @@ def test_zero3_weight_stream_gathers_one_bucket_at_a_time_and_each_rank_keeps_it
     whole (never the whole model on a rank), bucket i is kept by rank i mod N, and together the shares are the
     model; the streamed HF export loads in transformers with the same weights."""
     world, out, folder = 2, str(tmp_path / "stream"), str(tmp_path / "hf")
-    mp.spawn(_stream_rank, args=(world, free_port(), 3, folder, out), nprocs=world, join=True)
+    spawn(_stream_rank, (world, free_port(), 3, folder, out), world)
     ranks = []
     for r in range(world):
         with open(f"{out}.{r}", "rb") as f:

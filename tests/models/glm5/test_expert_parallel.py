@@ -10,12 +10,12 @@ import pickle
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.glm5.config import Glm5Config
 from models.glm5.moe import MoE
 from models.glm5.tiny import TINY_CONFIG
 from models.deepspeed_worker import free_port
+from tests.ranks import spawn
 
 TOKENS = 5
 
@@ -70,7 +70,7 @@ def _run_rank(rank: int, world: int, ep: int, impl: str, port: int, out: str) ->
 @pytest.mark.parametrize("world,ep,impl", [(2, 2, "loop"), (4, 2, "loop"), (4, 4, "grouped")])
 def test_expert_parallel_layer_equals_the_whole_layer(world, ep, impl, tmp_path):
     out = str(tmp_path / "ranks.pkl")
-    mp.spawn(_run_rank, args=(world, ep, impl, free_port(), out), nprocs=world, join=True)
+    spawn(_run_rank, (world, ep, impl, free_port(), out), world)
     with open(out, "rb") as f:
         ranks = pickle.load(f)
     moe, config = _layer(impl)

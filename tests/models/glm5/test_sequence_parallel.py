@@ -10,11 +10,11 @@ import pickle
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.glm5.config import Glm5Config
 from models.glm5.tiny import TINY_CONFIG, build_random
 from models.deepspeed_worker import free_port
+from tests.ranks import spawn
 
 T = 64  # positions per row; index_topk 16: every layer past the first 16 keys is sparse
 
@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, packed: bool, port: int, out: str) -> None:
 @pytest.mark.parametrize("world,packed", [(2, False), (4, True), (4, False)])
 def test_sequence_parallel_equals_one_process(world, packed, tmp_path):
     out = str(tmp_path / "sp.pkl")
-    mp.spawn(_rank, args=(world, packed, free_port(), out), nprocs=world, join=True)
+    spawn(_rank, (world, packed, free_port(), out), world)
     with open(out, "rb") as f:
         got = pickle.load(f)
     policy, critic = _models()
