@@ -5,6 +5,7 @@ only by looking around first, each with the tool calls such an agent makes.
 Usage (from the repository root):
 
     python environments/data/check_long_horizon.py [TASKS.jsonl] [--only ID ...] [--no-run] [--backend bwrap]
+        [--jobs N]
 
 A line is a repository task (`"kind": "repo"`, the format of environments/tasks.py and check_tasks.py) with
 domain "long_horizon", split "lh_train" or "lh_heldout", and one more key, `reference_trajectory`: the calls a
@@ -36,6 +37,7 @@ import json
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 if not __package__:  # run as a script: make the repository root importable
@@ -198,6 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-run", action="store_true", help="static validation only")
     ap.add_argument("--backend", default="bwrap", help="the sandbox that plays the trajectories")
     ap.add_argument("--part", action="store_true", help="a part of the set: skip the whole set's counts")
+    ap.add_argument("--jobs", type=int, default=1, help="tasks verified at once (each in sandboxes of its own)")
     args = ap.parse_args(argv)
     problems, tasks, seen = [], [], set()
     for lineno, line in enumerate(read_lines(args.tasks), 1):
@@ -215,25 +218,28 @@ def main(argv=None) -> int:
     if not args.part and (len(tasks) < MIN_TASKS or splits["lh_heldout"] < MIN_HELDOUT):
         problems.append(f"dataset: {len(tasks)} tasks ({dict(splits)}); need {MIN_TASKS}, {MIN_HELDOUT} held out")
     started, n_ok = time.monotonic(), 0
-    for task in tasks:
-        tid = task.get("id") if isinstance(task, dict) else "?"
-        if args.only is not None and tid not in args.only:
-            continue
+    chosen = [t for t in tasks if args.only is None or (t.get("id") if isinstance(t, dict) else "?") in args.only]
+
+    def verify(task):  # → (errors, status, seconds); tasks are independent, so --jobs runs them side by side
         errors, status, t0 = [], "static checks only", time.monotonic()
         info = validate_long_horizon_task(task, errors)
         if not errors and not args.no_run:
             status = verify_repo_task(task, info, errors)
             if not errors:
                 status += "; " + play_trajectory(task, args.backend, errors)
-        if errors:
-            print(f"FAIL {tid}")
-            for e in errors:
-                print(f"      - {e}")
-            problems.extend(f"{tid}: {e.splitlines()[0]}" for e in errors)
-        else:
-            n_ok += 1
-            print(f"ok   {tid} [{task['split']} d{task['difficulty']}] {status} ({time.monotonic() - t0:.1f}s)",
-                  flush=True)
+        return errors, status, time.monotonic() - t0
+
+    with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+        for task, (errors, status, seconds) in zip(chosen, pool.map(verify, chosen)):  # in the set's order
+            tid = task.get("id") if isinstance(task, dict) else "?"
+            if errors:
+                print(f"FAIL {tid}")
+                for e in errors:
+                    print(f"      - {e}")
+                problems.extend(f"{tid}: {e.splitlines()[0]}" for e in errors)
+            else:
+                n_ok += 1
+                print(f"ok   {tid} [{task['split']} d{task['difficulty']}] {status} ({seconds:.1f}s)", flush=True)
     print(f"\n{n_ok} task(s) {'validated' if args.no_run else 'verified'} in {time.monotonic() - started:.1f}s; "
           f"splits {dict(splits)}")
     for p in problems:

@@ -21,20 +21,8 @@ from rl.checkpoint import Checkpointer
 from rl.config import register_configs
 from rl.run_log import read_metrics
 
-from .scripted_policy import make_scripted_judge, make_scripted_policy
-
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def scripted_policy(tiny_path, tmp_path_factory):
-    return make_scripted_policy(tiny_path, tmp_path_factory.mktemp("policy") / "scripted")
-
-
-@pytest.fixture(scope="module")
-def scripted_judge(tiny_path, tmp_path_factory):
-    return make_scripted_judge(tiny_path, tmp_path_factory.mktemp("judge") / "judge")
 
 
 def config(*overrides):

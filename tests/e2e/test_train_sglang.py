@@ -14,18 +14,16 @@ import pytest
 
 from rl.run_log import read_metrics
 
-from .scripted_policy import make_scripted_policy
 from .test_train_loop import config
 
 pytestmark = pytest.mark.slow
 FAKE = [sys.executable, str(Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py")]
 
 
-def test_train_with_an_sglang_fleet(tiny_path, tmp_path):
+def test_train_with_an_sglang_fleet(scripted_policy, tmp_path):
     from rl.train import train
 
-    policy = make_scripted_policy(tiny_path, tmp_path / "scripted")
-    cfg = config(f"model.name={policy}", f"output_dir={tmp_path}", "engine=sglang", "engine.sglang.num_servers=2",
+    cfg = config(f"model.name={scripted_policy}", f"output_dir={tmp_path}", "engine=sglang", "engine.sglang.num_servers=2",
                  "engine.sglang.gpus_per_server=0", f"engine.sglang.launch_command={FAKE}",
                  "engine.sglang.weight_sync=distributed", "engine.sglang.startup_timeout_s=180",
                  "trainer.verify_weight_sync=true", "agent.context_window=896", "agent.max_turns=4",

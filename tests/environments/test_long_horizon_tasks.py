@@ -66,11 +66,11 @@ def test_a_trajectory_that_stops_short_is_caught_when_played(tmp_path, records, 
     assert "lh_short: the workspace the trajectory leaves fails" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # every held-out task and a quarter of the training split: ~40 s
+@pytest.mark.slow  # every held-out task and a quarter of the training split, two at a time: ~45 s
 def test_reference_trajectories_solve_their_tasks_in_a_sandbox(records, capsys):
     chosen = [r["id"] for i, r in enumerate(records) if r["split"] == "lh_heldout" or i % 4 == 0
               or os.environ.get("RL_CHECK_ALL_TASKS")]
-    assert check([TASKS, "--only", *chosen]) == 0, capsys.readouterr().out[-3000:]
+    assert check([TASKS, "--jobs", "2", "--only", *chosen]) == 0, capsys.readouterr().out[-3000:]
 
 
 def test_long_horizon_prompts_list_the_files_instead_of_showing_them():

@@ -1,5 +1,6 @@
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -31,15 +32,19 @@ def _check_reference_and_start(task):
     assert start.reward < 1.0 and not start.all_passed, task.id
 
 
+def _check_all(tasks):
+    """Two tasks at a time: each grading is a sandboxed pytest run on one core, and the machine has two."""
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(_check_reference_and_start, tasks))  # (the first failure is raised here)
+
+
 def test_heldout_reference_solutions_grade_full_and_starts_do_not(shipped_tasks):
-    for task in shipped_tasks.split("heldout"):
-        _check_reference_and_start(task)
+    _check_all(shipped_tasks.split("heldout"))
 
 
-@pytest.mark.slow  # the 23 repository tasks, two sandboxed gradings each: ~30 s
+@pytest.mark.slow  # the 23 repository tasks, two sandboxed gradings each, two at a time: ~15 s
 def test_every_repository_task_grades_full_solved_and_not_unsolved(shipped_tasks):
-    for task in [t for t in shipped_tasks.tasks if t.is_repo]:
-        _check_reference_and_start(task)
+    _check_all([t for t in shipped_tasks.tasks if t.is_repo])
 
 
 @pytest.mark.slow
@@ -47,8 +52,7 @@ def test_every_repository_task_grades_full_solved_and_not_unsolved(shipped_tasks
                     reason="the sweep of all 101 tasks (~2 min) runs with RL_CHECK_ALL_TASKS=1, and in "
                            "`python environments/data/check_tasks.py`; CI checks the held-out and repository tasks")
 def test_every_reference_solution_grades_full_and_every_start_does_not(shipped_tasks):
-    for task in shipped_tasks.tasks:
-        _check_reference_and_start(task)
+    _check_all(shipped_tasks.tasks)
 
 
 def test_bad_records_are_reported_and_skipped(tmp_path, shipped_tasks):
