@@ -44,7 +44,7 @@ if not __package__:  # run as a script: make the repository root importable
     _ROOT = str(Path(__file__).resolve().parents[2])
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
-from environments.data.check_tasks import validate_repo_task  # noqa: E402
+from environments.data.check_tasks import report_task, validate_repo_task  # noqa: E402
 from environments.data.verify_tasks import verify_repo_task  # noqa: E402
 
 DEFAULT_TASKS = Path(__file__).resolve().parent / "long_horizon_tasks.jsonl"
@@ -232,14 +232,8 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
         for task, (errors, status, seconds) in zip(chosen, pool.map(verify, chosen)):  # in the set's order
             tid = task.get("id") if isinstance(task, dict) else "?"
-            if errors:
-                print(f"FAIL {tid}")
-                for e in errors:
-                    print(f"      - {e}")
-                problems.extend(f"{tid}: {e.splitlines()[0]}" for e in errors)
-            else:
-                n_ok += 1
-                print(f"ok   {tid} [{task['split']} d{task['difficulty']}] {status} ({seconds:.1f}s)", flush=True)
+            label = f"{tid} [{task.get('split')} d{task.get('difficulty')}]" if isinstance(task, dict) else tid
+            n_ok += report_task(tid, label, errors, status, seconds, problems)
     print(f"\n{n_ok} task(s) {'validated' if args.no_run else 'verified'} in {time.monotonic() - started:.1f}s; "
           f"splits {dict(splits)}")
     for p in problems:

@@ -439,6 +439,18 @@ def validate_repo_task(task, errors):
 
 # ---------------------------------------------------------------------------
 
+def report_task(tid: str, label: str, errors: list[str], status: str, seconds: float, problems: list[str]) -> bool:
+    """Print a task's line (`label`: its id and tags) and its errors, add them to `problems`; True if it passed."""
+    if errors:
+        print(f"FAIL {label}")
+        for e in errors:
+            print(f"      - {e}")
+        problems.extend(f"{tid}: {e.splitlines()[0]}" for e in errors)
+        return False
+    print(f"ok   {label} {status} ({seconds:.1f}s)", flush=True)
+    return True
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tasks", nargs="?", default=str(DEFAULT_TASKS), help="path to coding_tasks.jsonl")
@@ -495,15 +507,7 @@ def main(argv=None):
             verify = verify_repo_task if task.get("kind") == "repo" else verify_task
             status = verify(task, infos[tid], errors)
         tag = f"[{task['split']:<7} {task['domain']:<8} d{task['difficulty']}]"
-        elapsed = time.monotonic() - start
-        if errors:
-            print(f"FAIL {tid:<{width}} {tag}")
-            for e in errors:
-                print(f"      - {e}")
-            problems.extend(f"{tid}: {e.splitlines()[0]}" for e in errors)
-        else:
-            n_ok += 1
-            print(f"ok   {tid:<{width}} {tag} {status} ({elapsed:.1f}s)", flush=True)
+        n_ok += report_task(tid, f"{tid:<{width}} {tag}", errors, status, time.monotonic() - start, problems)
 
     print()
     print(f"tasks: {len(tasks)}  split: {dict(sorted(counts['split'].items()))}  "
