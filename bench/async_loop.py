@@ -6,7 +6,7 @@ Each K is a fresh `python -m rl.train` with the same config and seed (evaluation
 checkpoints only at the end). Per K, over the steps between the first and the last (the first warms up, the last
 evaluates and checkpoints): seconds a step, steps and episodes an hour, the trainer's idle time (waiting for a
 batch) and the engines' idle fraction, the batch's staleness, episodes dropped or aborted as too stale, and
-partial rollouts; ratios against K = 0 measured in the same invocation.
+partial rollouts, and the weight sync's seconds and GB/s; ratios against K = 0 measured in the same invocation.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def run_one(experiment: str, k: int, steps: int, out_dir: Path, overrides: list[
             "aborted_stale": sum(r.get("async/aborted_stale", 0) for r in records),
             "partial_rollouts": sum(r.get("engine/partial_rollouts", 0) for r in records),
             "train_s": mean("perf/train_s"), "reward_mean": mean("rollout/reward_mean"),
+            "weight_sync_s": mean("perf/weight_sync_s"),
+            "weight_sync_gb_per_s": mean("perf/weight_sync_mb") * 2**20 / 1e9 / max(mean("perf/weight_sync_s"), 1e-9),
+            "weight_sync_max_abs_diff": max(r.get("perf/weight_sync_max_abs_diff", 0.0) for r in records),
             "final_eval_pass": records[-1].get("eval/pass_rate")}
 
 
@@ -71,12 +74,13 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["k"] == 0), rows[0])
     print(f"\n{'K':>2} {'s/step':>7} {'steps/h':>8} {'× K=0':>6} {'trainer idle':>12} {'engine idle':>11} "
-          f"{'staleness':>9} {'dropped+aborted':>15} {'partial':>7}")
+          f"{'staleness':>9} {'dropped+aborted':>15} {'partial':>7} {'sync s':>6} {'sync GB/s':>9}")
     for r in rows:
         r["speedup_vs_k0"] = r["steps_per_hour"] / base["steps_per_hour"]
         print(f"{r['k']:>2} {r['step_s']:>7.1f} {r['steps_per_hour']:>8.0f} {r['speedup_vs_k0']:>6.2f} "
               f"{r['trainer_idle_frac']:>12.2f} {r['engine_idle_frac']:>11.2f} {r['staleness_mean']:>9.2f} "
-              f"{r['dropped_stale'] + r['aborted_stale']:>15} {r['partial_rollouts']:>7}")
+              f"{r['dropped_stale'] + r['aborted_stale']:>15} {r['partial_rollouts']:>7} {r['weight_sync_s']:>6.2f} "
+              f"{r['weight_sync_gb_per_s']:>9.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"experiment": args.experiment, "steps": args.steps,
                                               "overrides": args.overrides, "date": time.strftime("%Y-%m-%d"),

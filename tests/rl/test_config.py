@@ -150,3 +150,28 @@ def test_long_horizon_advantages_credit_a_solved_episode_from_its_start():
         adv = masked_whiten(adv, mask.double())
         assert float(adv[early & solved[:, None]].mean()) > 0 > float(adv[early & ~solved[:, None]].mean())
         assert float((adv[mask & solved[:, None]] < 0).double().mean()) < 0.5
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+def test_the_multi_gpu_launchers_asynchronous_layout_is_a_valid_run(gpus, monkeypatch):
+    """launch/gpu/multi_gpu.sh's `async` phase runs on a kind with several GPUs that these tests never see: the
+    overrides its plan prints for 2, 4 and 8 GPUs must make valid configs at K = 0 and 1 (the placement fits the
+    GPUs, the SGLang pause mode allows partial rollouts), or the rare session that has those GPUs is lost to it."""
+    from rl.config import validate
+
+    root = Path(CONFIGS).parent
+    plan = subprocess.run(["bash", "launch/gpu/multi_gpu.sh", "plan"], cwd=root, capture_output=True, text=True,
+                          env={"GPUS": str(gpus), "PATH": "/usr/bin:/bin"}, check=True).stdout
+    overrides = plan.split(" async ", 1)[1].split()
+    assert "engine.sglang.weight_sync=distributed" in overrides
+    monkeypatch.setattr("torch.cuda.device_count", lambda: gpus)
+    for k in (0, 1):
+        cfg = composed("+experiment=coding_ppo_2gpu_disaggregated", f"trainer.max_staleness={k}", *overrides)
+        validate(cfg)
+        assert cfg.engine.sglang.num_servers >= 2
+        placed = (cfg.trainer.actor_gpus * cfg.trainer.actor_ranks + cfg.trainer.critic_gpus * cfg.trainer.critic_ranks
+                  + cfg.engine.sglang.gpus_per_server * cfg.engine.sglang.num_servers)
+        assert placed <= gpus
+    monkeypatch.setattr("torch.cuda.device_count", lambda: gpus - 1)
+    with pytest.raises(ValueError, match="placement asks for"):  # the check above can fail
+        validate(composed("+experiment=coding_ppo_2gpu_disaggregated", *overrides))

@@ -6,20 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
+from tests.bench_scripts import BENCH, load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    import glm5
-
-    yield glm5
-    sys.path.remove(str(BENCH))
+    return load("glm5")
 
 
 def _counted(model, cfg) -> tuple[dict[str, int], int]:
