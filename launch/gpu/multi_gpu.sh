@@ -47,7 +47,10 @@ run() {  # CAP_S NAME COMMAND...: one bench, its output to the log and $RESULTS/
   echo "=== $name ($(date +%T), cap ${cap}s): $*"
   [ -n "${DRY:-}" ] && return 0
   timeout --signal=INT --kill-after=30 "$cap" "$@" 2>&1 | tee "$RESULTS/$name.log"
-  echo "=== $name exit ${PIPESTATUS[0]}"
+  local status=${PIPESTATUS[0]}
+  echo "=== $name exit $status"
+  # a bench cut short can leave Ray's processes (and the GPU memory they hold) behind: the next phase needs the GPUs
+  [ "$status" = 0 ] || pkill -9 -f 'ray::|raylet|gcs_server|sglang' 2>/dev/null || true
 }
 
 for phase in "$@"; do
