@@ -28,7 +28,7 @@ from models import resolve_model_path
 from opd.advantages import opd_advantages
 from opd.config import DistillConfig, register_opd_configs, validate_opd
 from opd.teacher import TeacherWorker, check_same_tokenizer
-from rl.actor import needs_logprob_pass, needs_old_logprobs
+from rl.actor import needs_logprob_pass, needs_old_logprobs, reference_due
 from rl.batch import add_advantages, mark_staleness, to_samples, trainable
 from rl.checkpoint import Checkpointer
 from rl.cluster import Workers, guard_metrics, rollout_worker_kwargs, run_episodes, start_ray, start_workers
@@ -157,8 +157,9 @@ def distill_step(cfg: DistillConfig, workers: Workers, teachers: dict, rollouts:
             samples.append(s)
     mark_staleness(samples, workers.weight_version)
     a = cfg.algorithm
-    if needs_logprob_pass(a):  # π_old (several optimiser steps, a KL in the reward) and π_ref, as in rl.train
-        for key, values in workers.actor.compute_logprobs(samples, needs_old_logprobs(a)).result().items():
+    if needs_logprob_pass(a, step):  # π_old (several optimiser steps, a KL in the reward) and π_ref, as in rl.train
+        for key, values in workers.actor.compute_logprobs(samples, needs_old_logprobs(a),
+                                                          reference_due(a, step)).result().items():
             for s, v in zip(samples, values):
                 s[key] = v
     critic_update = None

@@ -25,10 +25,11 @@ _SUMMED = ("loss", "pg", "entropy", "clip_tokens", "dual_clip_tokens", "approx_k
            "mismatch_masked_tokens", "mismatch_abs_logp_sum", "mismatch_kl_sum", "vetoed_sequences") + _LAGGED
 
 
-def needs_logprob_pass(algo: AlgorithmConfig) -> bool:
-    """Whether the step computes π_old (and π_ref) before the update: for a reference, or because the update
-    takes several optimiser steps (then π_old must be fixed before the first one changes the weights)."""
-    return needs_reference(algo) or algo.ppo_epochs * algo.mini_batches > 1
+def needs_logprob_pass(algo: AlgorithmConfig, step: int = 0) -> bool:
+    """Whether step `step` (from 0) computes π_old or π_ref before the update: for the reference when it is due,
+    or because the update takes several optimiser steps (then π_old must be fixed before the first one changes
+    the weights)."""
+    return reference_due(algo, step) or algo.ppo_epochs * algo.mini_batches > 1
 
 
 def needs_old_logprobs(algo: AlgorithmConfig) -> bool:
@@ -41,6 +42,12 @@ def needs_reference(algo: AlgorithmConfig) -> bool:
     """A frozen reference is kept to log or penalise KL(π ‖ π_ref). Its logprobs (and π_old, for a KL penalty in
     the reward) are computed before the update; otherwise the step needs no logprob pass of its own."""
     return algo.use_reference or algo.kl_coef > 0 or algo.kl_loss_coef > 0
+
+
+def reference_due(algo: AlgorithmConfig, step: int) -> bool:
+    """π_ref's logprobs at step `step` (from 0): on every step for a KL penalty (validation refuses anything
+    else), and for the logged KL alone on every `algorithm.reference_every`-th one, the first included."""
+    return needs_reference(algo) and step % algo.reference_every == 0
 
 
 class ActorWorker(DeepSpeedWorker):
@@ -70,9 +77,12 @@ class ActorWorker(DeepSpeedWorker):
             self.reference.requires_grad_(False)
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[dict] | TokenBatch, with_old: bool = True) -> dict[str, torch.Tensor]:
-        """π_old (this step's proximal policy; skipped unless `with_old`) and, if kept, π_ref logprobs of every
-        action token: flat tensors in the batch's layout (`TokenBatch.split` gives one per sample)."""
+    def compute_logprobs(self, samples: list[dict] | TokenBatch, with_old: bool = True,
+                         with_ref: bool = True) -> dict[str, torch.Tensor]:
+        """π_old (this step's proximal policy; skipped unless `with_old`) and, if kept and `with_ref`, π_ref
+        logprobs of every action token: flat tensors in the batch's layout (`TokenBatch.split` gives one per
+        sample)."""
+        reference = self.reference if with_ref else None
         batch = as_token_batch(samples, self.LOGPROB_FIELDS)
         self.module.eval()
         replay = self.all_reduce([float(batch.has("routed_experts"))], "max")[0] > 0
@@ -88,11 +98,11 @@ class ActorWorker(DeepSpeedWorker):
                           head_calls=self.head_calls(mb, mb.tensors["loss_mask"]))
             if with_old:
                 old.append(self.whole(mb, policy_logprobs(self.module, *args, **kwargs)[0]))
-            if self.reference is not None:
-                ref.append(self.whole(mb, policy_logprobs(self.reference, *args, **kwargs)[0]))
+            if reference is not None:
+                ref.append(self.whole(mb, policy_logprobs(reference, *args, **kwargs)[0]))
         release_memory()
         out = {"old_logprobs": unbatch(batches, old, batch)} if with_old else {}
-        if self.reference is not None:
+        if reference is not None:
             out["ref_logprobs"] = unbatch(batches, ref, batch)
         return out
 
@@ -117,14 +127,16 @@ class ActorWorker(DeepSpeedWorker):
         have_lag = self.all_reduce([float(len(batch) > 0 and batch.has("staleness"))], "max")[0] > 0
         fields = ("loss_mask", "advantages", "rollout_logprobs") + (("old_logprobs",) if have_old else ())
         fields += ("staleness",) if have_lag else ()
-        if self.reference is not None:
+        # π_ref's logprobs come on the steps they were computed for (algorithm.reference_every)
+        have_ref = self.all_reduce([float(len(batch) > 0 and batch.has("ref_logprobs"))], "max")[0] > 0
+        if have_ref:
             fields += ("ref_logprobs",)
         if self.all_reduce([float(batch.has("routed_experts"))], "max")[0] > 0:
             fields += ("routed_experts",)  # the engine's experts, replayed in the forward (models/glm5/moe.py)
         if batch.has("indexer_replay"):
             fields += ("indexer_replay",)  # the engine's fragile indexer rows (rollout/indexer_replay.py)
         self.module.train()
-        sums = dict.fromkeys(_SUMMED + (("kl_ref",) if self.reference is not None else ()), 0.0)
+        sums = dict.fromkeys(_SUMMED + (("kl_ref",) if have_ref else ()), 0.0)
         grad_norms, tokens_seen = [], 0.0
         for _, group, denom in self.ppo_steps(batch, a.mini_batches, a.ppo_epochs, seed):
             grad_norms.append(self._optimiser_step(group, fields, have_old, denom, sums))
@@ -199,7 +211,7 @@ class ActorWorker(DeepSpeedWorker):
                 loss = loss * self.loss_scale
                 add("pg", masked_sum(pg, effective) / denom)
                 add("entropy", masked_sum(entropy.detach(), mask))
-                if self.reference is not None:
+                if "ref_logprobs" in t:
                     add("kl_ref", masked_sum(kl_estimate(logp.detach(), t["ref_logprobs"], "k3"), mask))
                 for k, v in {**stats, **corr}.items():
                     add(k, v)

@@ -48,6 +48,9 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.0  # KL to the reference in the loss
     kl_estimator: str = "k3"  # k1 | k2 | k3
     use_reference: bool = True  # keep a frozen reference to log (and optionally penalise) KL
+    # π_ref's logprob pass on every N-th step only (steps 1, N+1, ...). With no KL penalty the reference serves
+    # only the logged KL (`actor/kl_ref`), and its pass is a fifth of the trainer's step on one GPU (BENCHMARKS).
+    reference_every: int = 1
     entropy_coef: float = 0.0
     tis_low: float = 0.5  # truncated importance weights π_old/μ, clamped to [tis_low, tis_high]
     tis_high: float = 2.0
@@ -73,6 +76,11 @@ class AlgorithmConfig:
             out.append(f"{prefix}.gamma, lam_critic and lam_policy must lie in [0, 1]")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             out.append(f"{prefix}.ppo_epochs and {prefix}.mini_batches must be >= 1")
+        if self.reference_every < 1:
+            out.append(f"{prefix}.reference_every={self.reference_every}: must be >= 1")
+        elif self.reference_every > 1 and (self.kl_coef > 0 or self.kl_loss_coef > 0):
+            out.append(f"{prefix}.reference_every={self.reference_every} with a KL penalty ({prefix}.kl_coef or "
+                       "kl_loss_coef > 0): the penalty needs π_ref on every step")
         if self.tis_low > self.tis_high:
             out.append(f"{prefix}.tis_low must be <= {prefix}.tis_high")
         return out

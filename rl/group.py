@@ -149,12 +149,12 @@ class TrainerGroup:
         return self._sharded("sft_step", samples, ("loss_mask",), *args,
                              finish=lambda _, results: {**results[0], f"{self.role}/ranks": self.ranks})
 
-    def compute_logprobs(self, samples: list[dict], with_old: bool = True) -> "Pending":
-        """π_old (unless not `with_old`) and π_ref per sample; `.result()`: {name: one 1-D tensor per sample, in
-        the caller's order}."""
+    def compute_logprobs(self, samples: list[dict], with_old: bool = True, with_ref: bool = True) -> "Pending":
+        """π_old (unless not `with_old`) and π_ref (if kept, unless not `with_ref`) per sample; `.result()`:
+        {name: one 1-D tensor per sample, in the caller's order}."""
         def finish(shards, results):
             return {key: self._per_sample(len(samples), shards, [r[key] for r in results]) for key in results[0]}
-        return self._sharded("compute_logprobs", samples, self.logprob_fields, with_old, finish=finish)
+        return self._sharded("compute_logprobs", samples, self.logprob_fields, with_old, with_ref, finish=finish)
 
     def compute_values(self, samples: list[dict]) -> "Pending":
         """V per sample; `.result()`: one 1-D tensor per sample, in the caller's order."""

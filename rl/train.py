@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from environments import load_tasks
 from models import resolve_model_path
-from rl.actor import needs_logprob_pass, needs_old_logprobs
+from rl.actor import needs_logprob_pass, needs_old_logprobs, reference_due
 from rl.batch import add_advantages, boundary_value_drop, mark_staleness, replay_metrics, to_samples, trainable
 from rl.checkpoint import Checkpointer
 from rl.cluster import Workers, engine_metrics, guard_metrics, run_episodes, start_ray, start_workers
@@ -57,7 +57,8 @@ def train_step(cfg: Config, workers: Workers, rollouts: RolloutManager, step: in
     a = cfg.algorithm
     # The actor's and the critic's groups work at the same time (trainer.overlap_models), or one after the other
     start = (lambda pending: pending) if overlaps_models(cfg.trainer) else (lambda pending: pending.wait())
-    logprobs = start(workers.actor.compute_logprobs(samples, needs_old_logprobs(a))) if needs_logprob_pass(a) else None
+    logprobs = (start(workers.actor.compute_logprobs(samples, needs_old_logprobs(a), reference_due(a, step)))
+                if needs_logprob_pass(a, step) else None)
     values = start(workers.critic.compute_values(samples))
     if logprobs is not None:
         for key, per_sample in logprobs.result().items():

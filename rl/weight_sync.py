@@ -290,7 +290,7 @@ def verify_sglang_logprobs(actor, urls: list[str], temperature: float = 1.0) -> 
     embeddings = [shape[0] for name, shape in actor.parameter_shapes().items() if "embed" in name and len(shape) == 2]
     vocab = min([1000, *embeddings])  # ids every vocabulary has
     probe = torch.randint(0, vocab, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
-    ours = actor.compute_logprobs([{"token_ids": probe, "loss_mask": [0] + [1] * (PROBE_TOKENS - 1)}]).result()
+    ours = actor.compute_logprobs([{"token_ids": probe, "loss_mask": [0] + [1] * (PROBE_TOKENS - 1)}], True, False).result()
     ours = ours["old_logprobs"][0][1:]
 
     async def theirs(url: str) -> torch.Tensor:

@@ -38,7 +38,7 @@ def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
     cfg = config(f"model.name={scripted_policy}", f"output_dir={tmp_path}", "trainer.verify_weight_sync=true",
                  "guard=judged", "guard.judge.backend=engine", f"guard.judge.model={scripted_judge}",
                  "agent.context_window=896", "agent.max_turns=5", "engine.temperature=0.5",
-                 "logging.episode_log_every=2")
+                 "logging.episode_log_every=2", "algorithm.reference_every=2")
     final = train(cfg)
     run = tmp_path / "coding_ppo_tiny"
     records = read_metrics(run / "metrics.jsonl")
@@ -53,8 +53,9 @@ def test_two_steps_end_to_end(scripted_policy, scripted_judge, tmp_path):
         if r["adv/raw_std"] > 0:  # some reward signal (bugfix tasks give partial credit): both models moved
             assert r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0
         for key in ("perf/rollout_s", "perf/logprobs_s", "perf/values_s", "perf/train_s", "actor/clipfrac",
-                    "critic/value_loss", "critic/explained_variance", "actor/kl_ref", "rollout/segments_mean"):
+                    "critic/value_loss", "critic/explained_variance", "rollout/segments_mean"):
             assert key in r, key
+    assert "actor/kl_ref" in steps[0] and "actor/kl_ref" not in steps[1]  # π_ref's pass on steps 1, 3, ... only
     assert "eval/pass_rate" in records[0] and "eval/pass_rate" in records[2]
     audit = [json.loads(line) for line in (run / "guard_audit.jsonl").read_text().splitlines()]
     assert any(e["action"] == "block" and e["stage"] == "rules" and "rm tests/test_visible.py" in e["call"]

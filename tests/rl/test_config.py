@@ -87,6 +87,11 @@ def test_semantic_validation():
     for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward", "trainer.eval_samples",
                 "trainer.time_limit_action"):
         assert key in str(err.value)
+    validate(composed("+experiment=coding_ppo", "algorithm.reference_every=4"))  # KL only logged: fine
+    for bad, why in (("algorithm.reference_every=0", "must be >= 1"), ("algorithm.kl_loss_coef=0.01",
+                                                                      "the penalty needs π_ref on every step")):
+        with pytest.raises(ValueError, match=why):
+            validate(composed("+experiment=coding_ppo", "algorithm.reference_every=4", bad))
     # indexer replay is the LocalEngine's: refused for SGLang before anything starts
     validate(composed("+experiment=coding_ppo_tiny", "model=glm52_tiny", "engine.indexer_replay_margin=1e-4"))
     with pytest.raises(ValueError, match="engine.indexer_replay_margin"):

@@ -9,7 +9,7 @@ import torch
 from critic.worker import CriticWorker
 from models.batching import ppo_mini_batches, split_per_sample
 from models.deepspeed_worker import OptimConfig
-from rl.actor import ActorWorker, needs_logprob_pass
+from rl.actor import ActorWorker, needs_logprob_pass, reference_due
 from rl.config import AlgorithmConfig
 from tests.rl.test_workers import batch
 
@@ -31,6 +31,17 @@ def test_mini_batches_partition_every_epoch():
         list(ppo_mini_batches(samples, mini_batches=0))
     assert not needs_logprob_pass(AlgorithmConfig(use_reference=False))
     assert needs_logprob_pass(AlgorithmConfig(use_reference=False, mini_batches=2))
+
+
+def test_the_reference_pass_runs_on_every_nth_step_when_only_logged():
+    every3 = AlgorithmConfig(use_reference=True, reference_every=3)
+    assert [reference_due(every3, s) for s in range(7)] == [True, False, False, True, False, False, True]
+    assert [needs_logprob_pass(every3, s) for s in range(4)] == [True, False, False, True]
+    several = AlgorithmConfig(use_reference=True, reference_every=3, ppo_epochs=2)  # π_old is needed on every step
+    assert all(needs_logprob_pass(several, s) for s in range(4))
+    assert [reference_due(several, s) for s in range(4)] == [True, False, False, True]
+    assert all(reference_due(AlgorithmConfig(use_reference=True), s) for s in range(4))
+    assert not any(reference_due(AlgorithmConfig(use_reference=False), s) for s in range(4))
 
 
 def _actor(tiny_path, **algo):

@@ -1,5 +1,7 @@
 """Actor and critic workers under DeepSpeed (one CPU process, gloo), without Ray."""
 
+import math
+
 import pytest
 import torch
 
@@ -30,6 +32,23 @@ def mean_logp(actor, samples):
     lp = split_per_sample(samples, actor.compute_logprobs(samples)["old_logprobs"])
     vals = [x for s, l in zip(samples, lp) for x, m in zip(l, s["loss_mask"]) if m]
     return sum(vals) / len(vals)
+
+
+def test_a_step_without_reference_logprobs_trains_and_logs_no_kl(tiny_path):
+    """algorithm.reference_every > 1: on the steps between reference passes the samples carry no ref_logprobs;
+    the update runs as usual and reports no KL (not a KL of 0). The pass skips π_ref when asked to."""
+    actor = ActorWorker(tiny_path, OptimConfig(learning_rate=1e-3, micro_batch_tokens=80), AlgorithmConfig(),
+                        temperature=1.0)  # its own: these updates must not move the module's shared actor
+    samples = batch()
+    assert set(actor.compute_logprobs(samples, True, False)) == {"old_logprobs"}
+    lp = {k: split_per_sample(samples, v) for k, v in actor.compute_logprobs(samples).items()}
+    for s, old in zip(samples, lp["old_logprobs"]):
+        s.update(rollout_logprobs=old.clone(), advantages=list(s["loss_mask"]))
+    without = actor.train_step(samples)
+    assert "actor/kl_ref" not in without and math.isfinite(without["actor/grad_norm"])
+    for s, ref in zip(samples, lp["ref_logprobs"]):
+        s["ref_logprobs"] = ref
+    assert actor.train_step(samples)["actor/kl_ref"] > 0  # one update has moved the policy off the reference
 
 
 def test_ppo_step_moves_the_policy_along_the_advantage(actor):
