@@ -7,6 +7,8 @@ checkpoints only at the end). Per K, over the steps between the first and the la
 evaluates and checkpoints): seconds a step, steps and episodes an hour, the trainer's idle time (waiting for a
 batch) and the engines' idle fraction, the batch's staleness, episodes dropped or aborted as too stale, and
 partial rollouts, and the weight sync's seconds and GB/s; ratios against K = 0 measured in the same invocation.
+With `algorithm.reference_every = N` (the GPU recipes: 4) choose --steps so that the measured steps hold their
+share of reference passes (steps 1, N+1, ... run one): --steps 6 measures steps 2-5, one of them with the pass.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def run_one(experiment: str, k: int, steps: int, out_dir: Path, overrides: list[
             "train_s": mean("perf/train_s"), "reward_mean": mean("rollout/reward_mean"),
             "weight_sync_s": mean("perf/weight_sync_s"),
             "weight_sync_gb_per_s": mean("perf/weight_sync_mb") * 2**20 / 1e9 / max(mean("perf/weight_sync_s"), 1e-9),
-            "weight_sync_max_abs_diff": max(r.get("perf/weight_sync_max_abs_diff", 0.0) for r in records),
+            "weight_sync_max_abs_diff": max((r.get("perf/weight_sync_max_abs_diff") for r in records
+                                             if r.get("perf/weight_sync_max_abs_diff") is not None), default=None),
+            "weight_sync_fallbacks": max(r.get("perf/weight_sync_fallbacks", 0) for r in records),
             "final_eval_pass": records[-1].get("eval/pass_rate")}
 
 
@@ -72,6 +76,7 @@ def main() -> None:
     for k in args.ks:
         rows.append(run_one(args.experiment, k, args.steps, Path(args.run_dir), args.overrides, args.timeout))
         print(json.dumps(rows[-1]), flush=True)
+        write(args, rows)  # after every K: a run cut short keeps the Ks it finished
     base = next((r for r in rows if r["k"] == 0), rows[0])
     print(f"\n{'K':>2} {'s/step':>7} {'steps/h':>8} {'× K=0':>6} {'trainer idle':>12} {'engine idle':>11} "
           f"{'staleness':>9} {'dropped+aborted':>15} {'partial':>7} {'sync s':>6} {'sync GB/s':>9}")
@@ -81,6 +86,10 @@ def main() -> None:
               f"{r['trainer_idle_frac']:>12.2f} {r['engine_idle_frac']:>11.2f} {r['staleness_mean']:>9.2f} "
               f"{r['dropped_stale'] + r['aborted_stale']:>15} {r['partial_rollouts']:>7} {r['weight_sync_s']:>6.2f} "
               f"{r['weight_sync_gb_per_s']:>9.2f}")
+    write(args, rows)
+
+
+def write(args, rows: list[dict]) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"experiment": args.experiment, "steps": args.steps,
                                               "overrides": args.overrides, "date": time.strftime("%Y-%m-%d"),

@@ -117,6 +117,14 @@ def parse_layout(text: str) -> tuple[int, int]:
     return e, s
 
 
+def describe(error: BaseException) -> str:
+    """`Type: first line` of the error a rank raised: Ray's wrapper (RayTaskError) is unwrapped to its cause, whose
+    message is what says why (CUDA out of memory, and how much it tried to allocate)."""
+    cause = getattr(error, "cause", None) or error
+    lines = [line for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0][:300] if lines else ''}"
+
+
 def longest_trainable(trains, start: int, maximum: int) -> dict:
     """Double the length from `start` while `trains(length)` succeeds (it returns what it measured, or raises).
     Returns the longest length that trained (0: not even `start`), what that attempt measured, and the first
@@ -127,7 +135,7 @@ def longest_trainable(trains, start: int, maximum: int) -> dict:
         try:
             measured = trains(length)
         except Exception as e:  # noqa: BLE001 - any failure ends the search; it is reported, not raised
-            best.update(failed_at=length, failure=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            best.update(failed_at=length, failure=describe(e))
             break
         best.update(longest=length, at_longest=measured)
         length *= 2
@@ -171,24 +179,43 @@ def run_world(ranks: int, packed: bool, args, matmul: str = "fp32", layout: tupl
                               dtype=args.dtype, torch_threads=threads, sequence_parallel=sp) if name == "actor" else
                  TrainerGroup(CriticWorker, ranks, args.gpus_per_rank, "critic", path, optim, 0.2, dtype=args.dtype,
                               torch_threads=threads, sequence_parallel=sp))
-        times, metrics = [], {}
-        for _ in range(args.steps):
-            started = time.perf_counter()
-            metrics = group.train_step(batch).result()
-            times.append(time.perf_counter() - started)
-        timed = times[1:] or times
-        step_s = sum(timed) / len(timed)
-        rss, gpu = peaks(group)
-        result[name] = {"step_s": step_s, "tokens_per_s": tokens / step_s, "tokens_per_s_per_rank": tokens / step_s / ranks,
-                        "peak_rss_mib_per_rank": rss, "peak_gpu_mib_per_rank": gpu,
-                        "loss": metrics.get("actor/loss", metrics.get("critic/value_loss"))}
-        if name == "actor":
-            result["sync"] = measure_sync(group, args.sync_bucket_mb)
-            if args.longest:  # last: a failed attempt can leave the group unusable
-                result["longest"] = longest_trainable(lambda n: train_one(group, n, args.longest_timeout),
-                                                      args.longest, args.longest_max)
-        group.shutdown()
+        try:
+            times, metrics = [], {}
+            for _ in range(args.steps):
+                started = time.perf_counter()
+                metrics = group.train_step(batch).result()
+                times.append(time.perf_counter() - started)
+            timed = times[1:] or times
+            step_s = sum(timed) / len(timed)
+            rss, gpu = peaks(group)
+            result[name] = {"step_s": step_s, "tokens_per_s": tokens / step_s,
+                            "tokens_per_s_per_rank": tokens / step_s / ranks, "peak_rss_mib_per_rank": rss,
+                            "peak_gpu_mib_per_rank": gpu,
+                            "loss": metrics.get("actor/loss", metrics.get("critic/value_loss"))}
+            if name == "actor":
+                result["sync"] = measure_sync(group, args.sync_bucket_mb)
+                if args.longest:  # last: a failed attempt can leave the group unusable
+                    result["longest"] = longest_trainable(lambda n: train_one(group, n, args.longest_timeout),
+                                                          args.longest, args.longest_max)
+        finally:
+            group.shutdown()
+            wait_until_dead(group.workers)
     return result
+
+
+def wait_until_dead(workers, timeout_s: float = 120.0) -> None:
+    """Until Ray reports every killed rank dead: a rank that ran out of memory still holds its GPU until its
+    process is gone, and the next world's ranks start on the same GPUs."""
+    deadline = time.perf_counter() + timeout_s
+    for w in workers:
+        while time.perf_counter() < deadline:
+            try:
+                ray.get(w.__ray_ready__.remote(), timeout=5)
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                pass
+            time.sleep(0.5)
 
 
 def peaks(group) -> tuple[list[float], list[float]]:
@@ -268,14 +295,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ray.init(num_cpus=os.cpu_count(), num_gpus=torch.cuda.device_count(), include_dashboard=False,
              log_to_driver=False)
     args.model_path = model_path(args.model)
-    results = []
+    results, failed = [], []
     for r, e, s in worlds:
         for layout in args.layouts:
             for matmul in args.matmul:
-                results.append(run_world(r, layout == "packed", args, matmul, (e, s)))
+                try:
+                    results.append(run_world(r, layout == "packed", args, matmul, (e, s)))
+                except Exception as error:  # noqa: BLE001 - one world's failure (out of memory) is reported; the rest run
+                    failed.append({"ranks": r, "expert_parallel": e, "sequence_parallel": s, "layout": layout,
+                                   "matmul": matmul, "error": describe(error)})
+                    print(f"  ranks {r} E{e} S{s} {layout} {matmul} failed: {failed[-1]['error']}", flush=True)
                 if args.out:  # after every world: a run cut short by its time limit keeps what it measured
-                    Path(args.out).write_text(json.dumps(results, indent=1))
+                    Path(args.out).write_text(json.dumps(results + failed, indent=1))
     ray.shutdown()
+    if not results:
+        raise SystemExit("every world failed")
     base = results[0]
     print(f"{args.model} ({args.dtype}), ZeRO-{args.zero}{' offload' if args.offload else ''}, {args.samples} samples "
           f"({base['tokens_per_step']} tokens) a step, micro-batches of {args.micro_batch_tokens} positions")

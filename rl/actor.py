@@ -45,9 +45,10 @@ def needs_reference(algo: AlgorithmConfig) -> bool:
 
 
 def reference_due(algo: AlgorithmConfig, step: int) -> bool:
-    """π_ref's logprobs at step `step` (from 0): on every step for a KL penalty (validation refuses anything
-    else), and for the logged KL alone on every `algorithm.reference_every`-th one, the first included."""
-    return needs_reference(algo) and step % algo.reference_every == 0
+    """π_ref's logprobs at step `step` (from 0): on every step for a KL penalty, and for the logged KL alone on
+    every `algorithm.reference_every`-th one, the first included."""
+    penalty = algo.kl_coef > 0 or algo.kl_loss_coef > 0
+    return needs_reference(algo) and (penalty or step % algo.reference_every == 0)
 
 
 class ActorWorker(DeepSpeedWorker):

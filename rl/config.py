@@ -247,6 +247,12 @@ def validate(cfg: Config) -> None:
             problems.append(f"{key}={value}: a GPU count must be a fraction of one GPU or a whole number")
     if cfg.engine.type == "sglang" and not (sg.urls or sg.router_url):
         gpus["engine.sglang.gpus_per_server"] = sg.gpus_per_server
+        if sg.weight_sync == "distributed" and 0 < sg.gpus_per_server < 1:
+            problems.append(f"engine.sglang.weight_sync=distributed with engine.sglang.gpus_per_server="
+                            f"{sg.gpus_per_server:g}: the broadcast's NCCL group (the actor's rank 0 and every "
+                            "server) cannot have two members on one GPU, and a share of a GPU lets Ray put a server "
+                            "beside another or beside the actor; give each server whole GPUs (or weight_sync=tensor "
+                            "for servers on the actor's GPU)")
     if any(gpus.values()):
         import torch
 

@@ -12,7 +12,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def load(name: str) -> ModuleType:
-    """bench/<name>.py, imported with bench/ on the path (a script imports its neighbours by their plain names)."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module(name)
+    """bench/<name>.py, imported as the module `name` with bench/ on the path while it imports (only then: its
+    scripts' plain names, engine or guard, would otherwise shadow other imports for the rest of the session)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))

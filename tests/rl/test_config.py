@@ -92,6 +92,9 @@ def test_semantic_validation():
                                                                       "the penalty needs π_ref on every step")):
         with pytest.raises(ValueError, match=why):
             validate(composed("+experiment=coding_ppo", "algorithm.reference_every=4", bad))
+    with pytest.raises(ValueError, match="cannot have two members on one GPU"):  # NCCL refuses a shared GPU
+        validate(composed("+experiment=coding_ppo_2gpu_disaggregated", "engine.sglang.num_servers=2",
+                          "engine.sglang.gpus_per_server=0.5"))
     # indexer replay is the LocalEngine's: refused for SGLang before anything starts
     validate(composed("+experiment=coding_ppo_tiny", "model=glm52_tiny", "engine.indexer_replay_margin=1e-4"))
     with pytest.raises(ValueError, match="engine.indexer_replay_margin"):
@@ -161,7 +164,8 @@ def test_long_horizon_advantages_credit_a_solved_episode_from_its_start():
 def test_the_multi_gpu_launchers_asynchronous_layout_is_a_valid_run(gpus, monkeypatch):
     """launch/gpu/multi_gpu.sh's `async` phase runs on a kind with several GPUs that these tests never see: the
     overrides its plan prints for 2, 4 and 8 GPUs must make valid configs at K = 0 and 1 (the placement fits the
-    GPUs, the SGLang pause mode allows partial rollouts), or the rare session that has those GPUs is lost to it."""
+    GPUs, the SGLang pause mode allows partial rollouts, every server on a GPU of its own for NCCL), or the rare
+    session that has those GPUs is lost to it."""
     from rl.config import validate
 
     root = Path(CONFIGS).parent
@@ -172,8 +176,9 @@ def test_the_multi_gpu_launchers_asynchronous_layout_is_a_valid_run(gpus, monkey
     monkeypatch.setattr("torch.cuda.device_count", lambda: gpus)
     for k in (0, 1):
         cfg = composed("+experiment=coding_ppo_2gpu_disaggregated", f"trainer.max_staleness={k}", *overrides)
-        validate(cfg)
-        assert cfg.engine.sglang.num_servers >= 2
+        validate(cfg)  # among its checks: no two members of the NCCL broadcast on one GPU
+        assert cfg.engine.sglang.num_servers >= (2 if gpus >= 4 else 1) and cfg.engine.sglang.gpus_per_server >= 1
+        assert cfg.trainer.actor_ranks > 1 or gpus < 8  # the broadcast from a sharded actor, where the GPUs allow
         placed = (cfg.trainer.actor_gpus * cfg.trainer.actor_ranks + cfg.trainer.critic_gpus * cfg.trainer.critic_ranks
                   + cfg.engine.sglang.gpus_per_server * cfg.engine.sglang.num_servers)
         assert placed <= gpus

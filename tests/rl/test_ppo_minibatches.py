@@ -42,6 +42,8 @@ def test_the_reference_pass_runs_on_every_nth_step_when_only_logged():
     assert [reference_due(several, s) for s in range(4)] == [True, False, False, True]
     assert all(reference_due(AlgorithmConfig(use_reference=True), s) for s in range(4))
     assert not any(reference_due(AlgorithmConfig(use_reference=False), s) for s in range(4))
+    # a penalty needs π_ref on every step (validation refuses the combination; this holds without it too)
+    assert all(reference_due(AlgorithmConfig(kl_loss_coef=0.1, reference_every=3), s) for s in range(4))
 
 
 def _actor(tiny_path, **algo):

@@ -35,6 +35,19 @@ def test_the_search_doubles_until_the_first_failure_and_reports_it(bench):
     assert found["failure"] == "MemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
 
 
+def test_a_ranks_error_is_reported_by_its_cause(bench):
+    """Ray wraps a rank's exception; its first line names the actor, not the reason. The report takes the cause."""
+    class Wrapped(RuntimeError):  # the shape of ray.exceptions.RayTaskError: the original under .cause
+        def __init__(self, cause):
+            super().__init__("\x1b[36mray::ActorWorker.train_step()\x1b[39m (pid=1, ip=10.0.0.1)\n  File ...")
+            self.cause = cause
+
+    oom = Wrapped(MemoryError("CUDA out of memory. Tried to allocate 9.00 GiB\nGPU 0 has a total capacity ..."))
+    assert bench.describe(oom) == "MemoryError: CUDA out of memory. Tried to allocate 9.00 GiB"
+    assert bench.longest_trainable(lambda n: (_ for _ in ()).throw(oom), 8, 64)["failure"] == bench.describe(oom)
+    assert bench.describe(TimeoutError()) == "TimeoutError: "
+
+
 def test_the_search_stops_at_its_maximum_or_reports_that_nothing_trained(bench):
     assert bench.longest_trainable(lambda n: n, 100, 450) == {"longest": 400, "at_longest": 400, "failed_at": None,
                                                                "failure": None}
