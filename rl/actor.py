@@ -41,14 +41,13 @@ def needs_old_logprobs(algo: AlgorithmConfig) -> bool:
 def needs_reference(algo: AlgorithmConfig) -> bool:
     """A frozen reference is kept to log or penalise KL(π ‖ π_ref). Its logprobs (and π_old, for a KL penalty in
     the reward) are computed before the update; otherwise the step needs no logprob pass of its own."""
-    return algo.use_reference or algo.kl_coef > 0 or algo.kl_loss_coef > 0
+    return algo.use_reference or algo.kl_penalty
 
 
 def reference_due(algo: AlgorithmConfig, step: int) -> bool:
     """π_ref's logprobs at step `step` (from 0): on every step for a KL penalty, and for the logged KL alone on
     every `algorithm.reference_every`-th one, the first included."""
-    penalty = algo.kl_coef > 0 or algo.kl_loss_coef > 0
-    return needs_reference(algo) and (penalty or step % algo.reference_every == 0)
+    return needs_reference(algo) and (algo.kl_penalty or step % algo.reference_every == 0)
 
 
 class ActorWorker(DeepSpeedWorker):

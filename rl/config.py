@@ -64,6 +64,10 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1
 
+    @property
+    def kl_penalty(self) -> bool:
+        """KL to the reference in the reward or the loss (either needs π_ref's logprobs on every step)."""
+        return self.kl_coef > 0 or self.kl_loss_coef > 0
 
     def problems(self, prefix: str = "algorithm") -> list[str]:
         """What is wrong with these settings alone, each with its key (empty: nothing)."""
@@ -78,7 +82,7 @@ class AlgorithmConfig:
             out.append(f"{prefix}.ppo_epochs and {prefix}.mini_batches must be >= 1")
         if self.reference_every < 1:
             out.append(f"{prefix}.reference_every={self.reference_every}: must be >= 1")
-        elif self.reference_every > 1 and (self.kl_coef > 0 or self.kl_loss_coef > 0):
+        elif self.reference_every > 1 and self.kl_penalty:
             out.append(f"{prefix}.reference_every={self.reference_every} with a KL penalty ({prefix}.kl_coef or "
                        "kl_loss_coef > 0): the penalty needs π_ref on every step")
         if self.tis_low > self.tis_high:
