@@ -98,9 +98,25 @@ def init_distributed(env: DistEnv | None = None) -> str:
     return backend
 
 
+def optimizer_groups(model: nn.Module, learning_rate: float, head_learning_rate: float = 0.0) -> list[dict]:
+    """The trainable parameters as AdamW groups: one at `learning_rate`, and a value head's (`score.*`, the critic's
+    one-output layer) at `head_learning_rate` when that is > 0 and differs.
+
+    Why the head may need its own: it starts at zero, and Adam moves each weight by about the step size a step, so
+    at a whole-model critic rate (1e-5) V(s) rises ~0.004 a step on a 576-wide SmolLM2 (docs/RESULTS.md: 0.06 after
+    14 steps against returns of 0.6); the body's features are pretrained and want the small rate."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    head = [p for n, p in named if n.startswith("score.")] if head_learning_rate > 0 else []
+    if not head or head_learning_rate == learning_rate:
+        return [{"params": [p for _, p in named], "name": "dense"}]
+    head_ids = {id(p) for p in head}
+    return [{"params": [p for _, p in named if id(p) not in head_ids], "name": "dense"},
+            {"params": head, "name": "value_head", "lr": head_learning_rate}]
+
+
 def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float, grad_clip: float,
                      zero_stage: int, dtype: torch.dtype, offload_optimizer: bool = False,
-                     offload_params: bool = False):
+                     offload_params: bool = False, head_learning_rate: float = 0.0):
     """Wrap `model` in a DeepSpeed engine with a torch AdamW client optimizer.
 
     torch's AdamW needs no JIT build (DeepSpeed's CPU Adam takes 1-2 minutes to compile on first use); ZeRO
@@ -120,14 +136,14 @@ def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float
         from models.glm5.parallel import prepare_for_zero3
 
         prepare_for_zero3(model, torch.distributed.get_world_size())
-    params = [p for p in model.parameters() if p.requires_grad]
-    if any(not getattr(p, "allreduce", True) for p in params):
+    groups = optimizer_groups(model, learning_rate, head_learning_rate)
+    if any(not getattr(p, "allreduce", True) for g in groups for p in g["params"]):
         # expert parallelism (models/glm5/expert_parallel.py): ZeRO reduces and partitions the experts' weights
         # within their expert-data-parallel group, which it takes from optimizer groups marked `moe`
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-        params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense"})
-    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.999),
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    optimizer = torch.optim.AdamW(groups, lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.999),
                                   eps=1e-8)
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -196,6 +212,7 @@ def to_universal(state: Path, out: Path) -> None:
 @dataclass
 class OptimConfig:
     learning_rate: float = 1e-6
+    head_learning_rate: float = 0.0  # a value head's (`score.*`) own step size; 0: learning_rate (optimizer_groups)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     zero_stage: int = 0
@@ -253,7 +270,8 @@ class DeepSpeedWorker:
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,
-                                       optim.zero_stage, dtype, optim.offload_optimizer, optim.offload_params)
+                                       optim.zero_stage, dtype, optim.offload_optimizer, optim.offload_params,
+                                       optim.head_learning_rate)
         self.device = self.engine.device
         self.packed = optim.pack_micro_batches and supports_packed_sequences(model)
 

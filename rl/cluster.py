@@ -108,6 +108,7 @@ def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "
     if critic is not None:  # pure on-policy distillation trains no critic
         critic_worker = TrainerGroup(CriticWorker, t.critic_ranks, t.critic_gpus, "critic",
                                      critic, OptimConfig(learning_rate=t.critic_learning_rate,
+                                                         head_learning_rate=t.critic_head_learning_rate,
                                                          expert_parallel=t.critic_expert_parallel, **_optim(t)),
                                      cfg.algorithm.value_clip or None, dtype=cfg.model.dtype, seed=cfg.seed + 1,
                                      torch_threads=t.torch_threads or 0, sequence_parallel=t.sequence_parallel)

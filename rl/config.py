@@ -100,6 +100,9 @@ class TrainerConfig:
     max_staleness: int = 0
     learning_rate: float = 1e-6
     critic_learning_rate: float = 1e-5
+    # The critic's value head (fresh, zero) at its own step size; 0: critic_learning_rate. See
+    # models/deepspeed_worker.py optimizer_groups: at 1e-5 the values trail the returns for a hundred steps.
+    critic_head_learning_rate: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     zero_stage: int = 0
@@ -169,6 +172,9 @@ class TrainerConfig:
                            f"{prefix}.{ranks_key}={ranks}")
         if self.max_staleness < 0:
             out.append(f"{prefix}.max_staleness={self.max_staleness}: must be >= 0 (0: synchronous)")
+        for key in ("learning_rate", "critic_learning_rate", "critic_head_learning_rate"):
+            if getattr(self, key) < 0:
+                out.append(f"{prefix}.{key}={getattr(self, key)}: must be >= 0")
         for key in ("steps", "episodes_per_step", "micro_batch_tokens", "eval_samples"):
             if getattr(self, key) < 1:
                 out.append(f"{prefix}.{key} must be >= 1")
