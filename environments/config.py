@@ -22,6 +22,9 @@ class EnvConfig:
     tasks: str = SHIPPED_TASKS  # JSONL / parquet file, saved dataset folder, or hub dataset name
     train_split: str = "train"
     eval_split: str = "heldout"
+    # The split whose reference trajectories rl.sft trains on ("": train_split). Another split than RL's makes RL
+    # meet tasks the cold start never saw, as the held-out ones are (long_horizon_gen_split_gpu).
+    sft_split: str = ""
     # Another task set (every record, one episode each, e.g. "humaneval") evaluated before the first and after
     # the last step, logged under eval_extra/: transfer beyond the training distribution, same sampling.
     extra_eval_tasks: str = ""

@@ -1,12 +1,13 @@
 """`python -m rl.sft +experiment=long_horizon`: a supervised cold start on reference trajectories.
 
 A small policy rarely follows a multi-turn tool protocol on its own, so RL on long-horizon tasks starts from a
-policy taught it. Each training task's reference trajectory (the tool calls a careful agent makes) is played
-through the real agent loop with `rollout.scripted_engine.ScriptedEngine` standing in for the policy: the run's
-chat template and tool format, real sandboxed observations, the guard, the context window and compaction (with a
-scripted handoff note when the loop asks for one). What comes out is exactly what RL would train on: segments of
-token ids with the loss mask on the policy's own tokens (replies and summaries). An episode that does not end
-submitted and solved (a reply over the turn budget, a blocked call, a window too small) is skipped and reported.
+policy taught it. The reference trajectory (the tool calls a careful agent makes) of each task of `env.sft_split`
+(default: RL's `env.train_split`) is played through the real agent loop with
+`rollout.scripted_engine.ScriptedEngine` standing in for the policy: the run's chat template and tool format, real
+sandboxed observations, the guard, the context window and compaction (with a scripted handoff note when the loop
+asks for one). What comes out is exactly what RL would train on: segments of token ids with the loss mask on the
+policy's own tokens (replies and summaries). An episode that does not end submitted and solved (a reply over the
+turn budget, a blocked call, a window too small) is skipped and reported.
 
 The policy (trainer.actor_ranks DeepSpeed ranks, as in rl.train) then takes `sft.epochs` passes over those
 episodes, `sft.episodes_per_step` episodes per optimiser step, minimising the token-mean negative log-likelihood
@@ -54,7 +55,6 @@ class SFTConfig:
     epochs: int = 3
     learning_rate: float = 1e-5
     episodes_per_step: int = 8  # reference episodes per optimiser step
-    split: str = ""  # whose reference trajectories are trained on ("": env.train_split)
     eval: bool = True  # held-out pass@1 before and after (env.eval_split)
     eval_before: bool = True  # false: after only (the base policy's figures are known: a rerun saves its time)
     concurrency: int = 4  # episodes rendered at a time (each runs its sandbox)
@@ -129,7 +129,11 @@ def sft(cfg: SFTRunConfig) -> dict:
     policy = str(resolve_model_path(cfg.model.name))
     tokenizer = load_tokenizer(policy)
     task_set = load_tasks(cfg.env.tasks)
-    tasks = task_set.split(s.split or cfg.env.train_split)
+    split = cfg.env.sft_split or cfg.env.train_split
+    tasks = task_set.split(split)
+    if not tasks:
+        raise SystemExit(f"env.{'sft_split' if cfg.env.sft_split else 'train_split'}={split!r}: no such split in "
+                         f"{cfg.env.tasks} (its splits: {sorted({t.split for t in task_set.tasks})})")
     started = time.perf_counter()
     episodes, skipped = render_reference_episodes(cfg, tasks, tokenizer, s.concurrency)
     for task_id, reason in skipped:

@@ -8,10 +8,10 @@ Usage (from the repository root):
         [--jobs N]
 
 A line is a repository task (`"kind": "repo"`, the format of environments/tasks.py and check_tasks.py) with
-domain "long_horizon", split "lh_train" or "lh_heldout", and one more key, `reference_trajectory`: the calls a
-careful agent makes, `[{"name": TOOL, "arguments": {...}}, ...]`, in the agent's tool set (environments/tools.py).
-Besides check_tasks.py's checks of a repository task (the snapshot, the ids, the reference patch fails and passes
-as it should), a long-horizon task must need many turns:
+domain "long_horizon", a split of SPLITS (lh_train, lh_heldout; the generated set adds lh_sft and lh_rl), and one
+more key, `reference_trajectory`: the calls a careful agent makes, `[{"name": TOOL, "arguments": {...}}, ...]`,
+in the agent's tool set (environments/tools.py). Besides check_tasks.py's checks of a repository task (the
+snapshot, the ids, the reference patch fails and passes as it should), a long-horizon task must need many turns:
 
 1. the package has at least `MIN_MODULES` modules besides `__init__.py`, and the reference patch changes at least
    two of them (the fix spans files);
@@ -49,7 +49,7 @@ from environments.data.verify_tasks import verify_repo_task  # noqa: E402
 
 DEFAULT_TASKS = Path(__file__).resolve().parent / "long_horizon_tasks.jsonl"
 DOMAIN = "long_horizon"
-SPLITS = ("lh_train", "lh_heldout")
+SPLITS = ("lh_train", "lh_heldout", "lh_sft", "lh_rl")  # the last two: generate_long_horizon.py
 MIN_MODULES = 4
 MIN_PATCHED_MODULES = 2
 MIN_CALLS = 6

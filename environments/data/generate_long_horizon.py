@@ -5,7 +5,8 @@ fix.
 
 Usage (from the repository root; deterministic for a seed, about three minutes on two cores):
 
-    python environments/data/generate_long_horizon.py [--train 320] [--heldout 48] [--seed 0] [--out PATH]
+    python environments/data/generate_long_horizon.py [--train 320] [--heldout 48] [--sft 320] [--rl 320] [--seed 0]
+        [--out PATH]
     python environments/data/check_long_horizon.py environments/data/long_horizon_gen_tasks.jsonl.gz
 
 The hand-written long-horizon tasks (long_horizon_tasks.jsonl) need reasoning no 135M policy has shown: after
@@ -25,7 +26,10 @@ kinds, in many combinations:
 
 The splits do not share functions: lh_train tasks are built from the function tasks of coding_tasks.jsonl's train
 split, lh_heldout tasks only from those of its heldout split (8 functions), so a held-out task's modules were never
-seen in training; a few generic lines (`if not items:`, `total = 0`) occur in both. FAIL_TO_PASS and PASS_TO_PASS
+seen in training; a few generic lines (`if not items:`, `total = 0`) occur in both. Two more splits of the same
+shape divide the training functions for a cold start that leaves RL something unseen to learn on: lh_sft tasks
+carry their faults in two thirds of them, lh_rl tasks in the other third (`disjoint_fault_splits`; they come last
+and from their own random generator, so lh_train and lh_heldout are the same with or without them). FAIL_TO_PASS and PASS_TO_PASS
 come from running each mutated module's tests here; check_long_horizon.py then verifies every task in a sandbox,
 trajectory included.
 """
@@ -246,7 +250,8 @@ def build_task(pkg: str, chosen: list[dict], faults: dict[str, dict], split: str
             "PASS_TO_PASS": sorted(p2p), "patch": "".join(diffs), "reference_trajectory": calls}
 
 
-def generate(n_train: int, n_heldout: int, seed: int = 0, source: Path = SOURCE) -> list[dict]:
+def generate(n_train: int, n_heldout: int, seed: int = 0, source: Path = SOURCE, n_sft: int = 0,
+             n_rl: int = 0) -> list[dict]:
     from tqdm import tqdm
 
     rng = random.Random(seed)
@@ -277,6 +282,44 @@ def generate(n_train: int, n_heldout: int, seed: int = 0, source: Path = SOURCE)
             made += 1
             tid = f"lh_gen_{'t' if split == 'lh_train' else 'h'}{made:03d}_{'_'.join(sorted(faults))}"[:120]
             out.append(build_task(pkg, sorted(chosen, key=lambda t: t["id"]), faults, split, tid))
+    if n_sft or n_rl:  # after the others, from a generator of their own: lh_train and lh_heldout stay as they were
+        out += disjoint_fault_splits(pools["lh_train"], viable, n_sft, n_rl, seed)
+    return out
+
+
+def rl_functions(train_ids: list[str], seed: int = 0) -> set[str]:
+    """The third of the training functions whose faults only lh_rl tasks carry (a fixed draw for a seed)."""
+    ids = sorted(train_ids)
+    random.Random(f"rl-functions-{seed}").shuffle(ids)
+    return set(ids[:len(ids) // 3])
+
+
+def disjoint_fault_splits(train_pool: list[dict], viable: dict, n_sft: int, n_rl: int, seed: int) -> list[dict]:
+    """lh_sft and lh_rl: tasks of the same shape built from the training functions, the faults of lh_sft in two
+    thirds of them, those of lh_rl in the other third. An SFT on lh_sft's reference trajectories reads and fixes
+    only its own functions (a trajectory reads the failing modules alone), so RL on lh_rl meets faults in code
+    the cold start never saw, as on lh_heldout: its training signal is the one the held-out split measures. The
+    other modules of a package are any training functions, whose tests pass."""
+    rng = random.Random(f"disjoint-faults-{seed}")
+    usable = [t for t in train_pool if viable[t["id"]] is not None]
+    for_rl = rl_functions([t["id"] for t in usable], seed)
+    out, seen = [], set()
+    for split, count, faulty_pool in (("lh_sft", n_sft, [t for t in usable if viable[t["id"]] and t["id"] not in for_rl]),
+                                      ("lh_rl", n_rl, [t for t in usable if viable[t["id"]] and t["id"] in for_rl])):
+        made, tries = 0, 0
+        while made < count and tries < count * 50:
+            tries += 1
+            faulty = rng.sample(faulty_pool, FAULTS_PER_TASK)
+            others = rng.sample([t for t in usable if t not in faulty], MODULES_PER_TASK - FAULTS_PER_TASK)
+            chosen = faulty + others
+            faults = {module_name(t["id"]): rng.choice(viable[t["id"]]) for t in faulty}
+            key = (frozenset(t["id"] for t in chosen), tuple(sorted((m, f["mutated"]) for m, f in faults.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            made += 1
+            tid = f"lh_gen_{split[3:]}{made:03d}_{'_'.join(sorted(faults))}"[:120]
+            out.append(build_task(rng.choice(PACKAGES), sorted(chosen, key=lambda t: t["id"]), faults, split, tid))
     return out
 
 
@@ -284,16 +327,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--train", type=int, default=320)
     ap.add_argument("--heldout", type=int, default=48)
+    ap.add_argument("--sft", type=int, default=320, help="lh_sft tasks (faults in two thirds of the functions)")
+    ap.add_argument("--rl", type=int, default=320, help="lh_rl tasks (faults in the other third)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
-    tasks = generate(args.train, args.heldout, args.seed)
+    tasks = generate(args.train, args.heldout, args.seed, n_sft=args.sft, n_rl=args.rl)
     text = "".join(json.dumps(t) + "\n" for t in tasks)
     if args.out.endswith(".gz"):  # mtime 0: the same tasks give the same bytes
         Path(args.out).write_bytes(gzip.compress(text.encode(), mtime=0))
     else:
         Path(args.out).write_text(text)
-    splits = {s: sum(t["split"] == s for t in tasks) for s in ("lh_train", "lh_heldout")}
+    splits = {s: sum(t["split"] == s for t in tasks) for s in ("lh_train", "lh_heldout", "lh_sft", "lh_rl")}
     print(f"wrote {len(tasks)} tasks to {args.out}: {splits}")
     return 0
 

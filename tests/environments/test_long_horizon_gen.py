@@ -28,15 +28,30 @@ def test_the_set_loads_by_name_and_its_splits_share_no_function(records):
     assert len({r["id"] for r in records}) == len(records)
 
 
+def test_the_cold_start_and_rl_splits_carry_their_faults_in_different_functions(records):
+    """lh_sft's faults sit in two thirds of the training functions, lh_rl's in the other third: an SFT on lh_sft
+    never reads the code RL must fix, as it never reads lh_heldout's."""
+    def faulty(split):
+        return {line.split("/")[-1] for r in records if r["split"] == split
+                for line in r["patch"].splitlines() if line.startswith("--- a/")}
+
+    sft, rl, train, held = faulty("lh_sft"), faulty("lh_rl"), faulty("lh_train"), faulty("lh_heldout")
+    assert sum(r["split"] == "lh_sft" for r in records) >= 200 and sum(r["split"] == "lh_rl" for r in records) >= 200
+    assert sft and rl and not sft & rl and not (sft | rl) & held
+    assert len(rl) >= 8 and len(sft) > len(rl)  # a third of the training functions (some have no viable fault)
+    assert (sft | rl) <= {f["path"].split("/", 1)[1] for r in records if r["split"] == "lh_train" for f in r["files"]}
+    assert train & rl and train & sft  # lh_train (the earlier recipe's) still draws faults from every function
+
+
 def test_every_task_passes_the_static_checks(capsys):
     assert check([LONG_HORIZON_GEN_TASKS, "--no-run"]) == 0, capsys.readouterr().out[-3000:]
 
 
 def test_trajectories_solve_their_tasks_when_played(records, capsys):
-    """Two tasks of each split: the first test run fails, the trajectory's edits make every FAIL_TO_PASS and
+    """Two tasks of lh_train and lh_heldout, one of lh_sft and lh_rl: the first test run fails, the trajectory's edits make every FAIL_TO_PASS and
     PASS_TO_PASS test pass in a fresh sandbox with the hidden tests."""
-    ids = [r["id"] for r in records if r["split"] == "lh_train"][:2] + \
-        [r["id"] for r in records if r["split"] == "lh_heldout"][:2]
+    ids = [r["id"] for split in ("lh_train", "lh_heldout", "lh_sft", "lh_rl")
+           for r in [r for r in records if r["split"] == split][:2 if split in ("lh_train", "lh_heldout") else 1]]
     assert check([LONG_HORIZON_GEN_TASKS, "--part", "--only", *ids]) == 0, capsys.readouterr().out[-3000:]
 
 

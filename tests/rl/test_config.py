@@ -28,7 +28,7 @@ def test_experiments_compose(experiment):
 
 @pytest.mark.parametrize("experiment,gpus", [("coding_ppo_gpu", 1), ("coding_ppo_gpu_sglang", 1),
                                              ("coding_ppo_2gpu_disaggregated", 2), ("long_horizon_gpu", 1),
-                                             ("long_horizon_gen_gpu", 1)])
+                                             ("long_horizon_gen_gpu", 1), ("long_horizon_gen_split_gpu", 1)])
 def test_gpu_experiments_fit_the_gpus_their_docs_promise(experiment, gpus, monkeypatch):
     """README's GPU commands as written: each experiment's placement fits its machine and not a smaller one."""
     import torch
@@ -151,7 +151,7 @@ def test_long_horizon_advantages_credit_a_solved_episode_from_its_start():
     rewards = torch.zeros(mask.shape, dtype=torch.float64)
     rewards[torch.arange(64), lengths - 1] = solved.double()
     early = mask & (torch.arange(mask.shape[1])[None, :] < lengths[:, None] // 2)
-    for experiment in ("long_horizon_gpu", "long_horizon_gen_gpu"):
+    for experiment in ("long_horizon_gpu", "long_horizon_gen_gpu", "long_horizon_gen_split_gpu"):
         algo = composed(f"+experiment={experiment}").algorithm
         assert algo.lam_policy < 1  # else the chained/per-segment ablation compares two equal things
         adv, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, algo.gamma, algo.lam_policy)

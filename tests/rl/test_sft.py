@@ -97,14 +97,16 @@ def test_the_supervised_step_is_the_token_mean_nll_of_the_masked_tokens(rendered
 @pytest.mark.slow  # SFT of the tiny model on three tasks, evaluated before and after: ~1-2 min
 def test_rl_sft_writes_a_policy_that_rl_train_can_start_from(tmp_path):
     rows = [json.loads(line) for line in open(LONG_HORIZON_TASKS)]
-    train = [r for r in rows if r["split"] == "lh_train"][:3]
+    # the cold start's own split (env.sft_split), RL's lh_train left empty here
+    train = [{**r, "split": "lh_sft"} for r in rows if r["split"] == "lh_train"][:3]
     held = [r for r in rows if r["split"] == "lh_heldout"][:1]
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(r) + "\n" for r in train + held))
     extra = tmp_path / "extra.jsonl"  # the transfer check (HumanEval on the GPU): one function task here
     extra.write_text(next(line for line in open(SHIPPED_TASKS) if json.loads(line)["domain"] == "function"))
     cmd = [sys.executable, "-m", "rl.sft", "+experiment=long_horizon", "model=tiny", f"env.tasks={tasks}",
-           f"env.extra_eval_tasks={extra}", f"output_dir={tmp_path}", "sft.epochs=2", "sft.episodes_per_step=2",
+           f"env.extra_eval_tasks={extra}", f"output_dir={tmp_path}", "env.sft_split=lh_sft", "sft.epochs=2",
+           "sft.episodes_per_step=2",
            "sft.learning_rate=1e-3",
            "trainer.eval_max_tasks=1", "agent.max_episode_tokens=1200", "logging.wandb_mode=disabled"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -122,6 +124,14 @@ def test_rl_sft_writes_a_policy_that_rl_train_can_start_from(tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0]  # 2 epochs × 2 steps (3 episodes, 2 a step)
     policy = load_model(str(run / "hf"))  # an HF folder rl.train takes as model.name
     assert policy is not None and load_tokenizer(str(run / "hf")) is not None
+
+
+def test_a_split_with_no_task_is_refused_by_name(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rl.sft", "+experiment=long_horizon", "model=tiny",
+                           "env.sft_split=lh_nowhere", f"output_dir={tmp_path}", "logging.wandb_mode=disabled"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "env.sft_split='lh_nowhere': no such split" in proc.stderr and "lh_train" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_compaction_metrics_of_the_rendered_episodes(rendered):
