@@ -107,6 +107,9 @@ def optimizer_groups(model: nn.Module, learning_rate: float, head_learning_rate:
     14 steps against returns of 0.6); the body's features are pretrained and want the small rate."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     head = [p for n, p in named if n.startswith("score.")] if head_learning_rate > 0 else []
+    if head_learning_rate > 0 and not head:
+        raise ValueError(f"head_learning_rate={head_learning_rate} for {type(model).__name__}, which has no value "
+                         "head (`score.*` parameters): it is the critic's setting")
     if not head or head_learning_rate == learning_rate:
         return [{"params": [p for _, p in named], "name": "dense"}]
     head_ids = {id(p) for p in head}
@@ -269,6 +272,8 @@ class DeepSpeedWorker:
             self.sequence_group, self.sequence_rank = sequence_groups(optim.sequence_parallel)
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # whether the value head trains in an optimizer group of its own: a checkpoint resumes only into the same
+        self.head_group = len(optimizer_groups(model, optim.learning_rate, optim.head_learning_rate)) > 1
         self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,
                                        optim.zero_stage, dtype, optim.offload_optimizer, optim.offload_params,
                                        optim.head_learning_rate)
@@ -445,7 +450,7 @@ class DeepSpeedWorker:
         self.engine.save_checkpoint(folder, tag="state", client_state=info, save_latest=False)
         if self.rank == 0:
             layout = {"world_size": self.world_size, "zero_stage": self.optim.zero_stage,
-                      "expert_parallel": self.optim.expert_parallel}
+                      "expert_parallel": self.optim.expert_parallel, "head_group": self.head_group}
             Path(folder, "layout.json").write_text(json.dumps(layout) + "\n")
 
     def load_state(self, folder: str) -> None:
@@ -461,6 +466,11 @@ class DeepSpeedWorker:
         saved = {"world_size": self.world_size, "zero_stage": self.optim.zero_stage}
         if Path(folder, "layout.json").exists():
             saved = json.loads(Path(folder, "layout.json").read_text())
+        if saved.get("head_group", False) != self.head_group:  # torch refuses, the universal path would drop state
+            raise ValueError(f"{folder}: saved with the value head in {'an' if saved.get('head_group') else 'no'} "
+                             f"optimizer group of its own, resuming with{'' if self.head_group else 'out'} one "
+                             "(trainer.critic_head_learning_rate): resume with the checkpoint's setting, or start "
+                             "from its hf/ export")
         stage = self.optim.zero_stage
         same = saved["world_size"] == self.world_size and saved["zero_stage"] == stage
         ep_saved, ep_now = saved.get("expert_parallel", 1), self.optim.expert_parallel
@@ -499,8 +509,10 @@ class DeepSpeedWorker:
         if groups and groups[0]["lr"] != self.optim.learning_rate:
             log.warning("resumed with learning_rate %g (the checkpoint's was %g)", self.optim.learning_rate,
                         groups[0]["lr"])
-        for group in groups:
-            group["lr"], group["weight_decay"] = self.optim.learning_rate, self.optim.weight_decay
+        for group in groups:  # (expert groups split from "dense" carry the body's rate)
+            head = group.get("name") == "value_head"
+            group["lr"] = self.optim.head_learning_rate if head else self.optim.learning_rate
+            group["weight_decay"] = self.optim.weight_decay
 
     def save(self, folder: str) -> None:
         """A checkpoint: `hf/` for transformers, SGLang and evaluation; `state/` to resume training."""

@@ -27,8 +27,8 @@ kinds, in many combinations:
 The splits do not share functions: lh_train tasks are built from the function tasks of coding_tasks.jsonl's train
 split, lh_heldout tasks only from those of its heldout split (8 functions), so a held-out task's modules were never
 seen in training; a few generic lines (`if not items:`, `total = 0`) occur in both. Two more splits of the same
-shape divide the training functions for a cold start that leaves RL something unseen to learn on: lh_sft tasks
-carry their faults in two thirds of them, lh_rl tasks in the other third (`disjoint_fault_splits`; they come last
+shape divide the training functions for a cold start that leaves RL something unseen to learn on: lh_rl tasks
+carry their faults in a third of them, lh_sft tasks in the rest (`disjoint_fault_splits`; they come last
 and from their own random generator, so lh_train and lh_heldout are the same with or without them). FAIL_TO_PASS and PASS_TO_PASS
 come from running each mutated module's tests here; check_long_horizon.py then verifies every task in a sandbox,
 trajectory included.
@@ -288,18 +288,20 @@ def generate(n_train: int, n_heldout: int, seed: int = 0, source: Path = SOURCE,
 
 
 def rl_functions(train_ids: list[str], seed: int = 0) -> set[str]:
-    """The third of the training functions whose faults only lh_rl tasks carry (a fixed draw for a seed)."""
+    """A third of the training functions, set aside for lh_rl's faults (a fixed draw for a seed; of the shipped
+    set's 30 functions with a viable fault, 12 fell here and 18 to lh_sft)."""
     ids = sorted(train_ids)
     random.Random(f"rl-functions-{seed}").shuffle(ids)
     return set(ids[:len(ids) // 3])
 
 
 def disjoint_fault_splits(train_pool: list[dict], viable: dict, n_sft: int, n_rl: int, seed: int) -> list[dict]:
-    """lh_sft and lh_rl: tasks of the same shape built from the training functions, the faults of lh_sft in two
-    thirds of them, those of lh_rl in the other third. An SFT on lh_sft's reference trajectories reads and fixes
+    """lh_sft and lh_rl: tasks of the same shape built from the training functions, the faults of lh_rl in those
+    of `rl_functions`, those of lh_sft in the others. An SFT on lh_sft's reference trajectories reads and fixes
     only its own functions (a trajectory reads the failing modules alone), so RL on lh_rl meets faults in code
     the cold start never saw, as on lh_heldout: its training signal is the one the held-out split measures. The
-    other modules of a package are any training functions, whose tests pass."""
+    other modules of a package are any training functions, whose tests pass (their names show in `ls`, their code
+    in no observation)."""
     rng = random.Random(f"disjoint-faults-{seed}")
     usable = [t for t in train_pool if viable[t["id"]] is not None]
     for_rl = rl_functions([t["id"] for t in usable], seed)
@@ -320,6 +322,8 @@ def disjoint_fault_splits(train_pool: list[dict], viable: dict, n_sft: int, n_rl
             made += 1
             tid = f"lh_gen_{split[3:]}{made:03d}_{'_'.join(sorted(faults))}"[:120]
             out.append(build_task(rng.choice(PACKAGES), sorted(chosen, key=lambda t: t["id"]), faults, split, tid))
+        if made < count:
+            raise RuntimeError(f"{split}: only {made} distinct tasks of {count} from {len(faulty_pool)} functions")
     return out
 
 

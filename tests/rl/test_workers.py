@@ -154,11 +154,29 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(tiny_path, tmp_path
     c.load(str(tmp_path / "ckpt"))
     assert {g["lr"] for g in c.engine.optimizer.param_groups} == {4e-3}
     assert {g["lr"] for g in b.engine.optimizer.param_groups} == {1e-3}
+    # the value head in a group of its own (trainer.critic_head_learning_rate) resumes at its own rate, and a
+    # checkpoint resumes only into the same grouping (torch would refuse it, a universal checkpoint drop state)
+    with pytest.raises(ValueError, match="critic_head_learning_rate"):
+        CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3, head_learning_rate=5e-2),
+                     value_clip=None).load(str(tmp_path / "ckpt"))
+    d = CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3, head_learning_rate=5e-2), value_clip=None)
+    step(d)
+    d.save(str(tmp_path / "head"))
+    e = CriticWorker(tiny_path, OptimConfig(learning_rate=2e-3, head_learning_rate=3e-2), value_clip=None)
+    e.load(str(tmp_path / "head"))
+    assert {g["name"]: g["lr"] for g in e.engine.optimizer.param_groups} == {"dense": 2e-3, "value_head": 3e-2}
+    with pytest.raises(ValueError, match="critic_head_learning_rate"):
+        make().load(str(tmp_path / "head"))
+    with pytest.raises(ValueError, match="no value head"):
+        ActorWorker(tiny_path, OptimConfig(head_learning_rate=1e-3), AlgorithmConfig(use_reference=False),
+                    temperature=1.0)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_train_and_export(tiny_path, tmp_path, stage):
-    critic = CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3, zero_stage=stage), value_clip=None)
+    """(with the value head at a rate of its own: ZeRO partitions both groups, a resume sets each group's rate)"""
+    critic = CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3, head_learning_rate=5e-3, zero_stage=stage),
+                          value_clip=None)
     samples = batch(2)
     for s, v in zip(samples, split_per_sample(samples, critic.compute_values(samples))):
         s.update(old_values=v, returns=[1.0 * m for m in s["loss_mask"]])
@@ -173,6 +191,11 @@ def test_zero_stages_train_and_export(tiny_path, tmp_path, stage):
 
     hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "c" / "hf")
     assert torch.allclose(hf.score.weight, state["score.weight"])
+    resumed = CriticWorker(tiny_path, OptimConfig(learning_rate=2e-3, head_learning_rate=7e-3, zero_stage=stage),
+                           value_clip=None)
+    resumed.load(str(tmp_path / "c"))
+    assert {g["name"]: g["lr"] for g in resumed.engine.optimizer.param_groups} == {"dense": 2e-3, "value_head": 7e-3}
+    assert torch.allclose(resumed.gathered_state()["score.weight"], state["score.weight"])
 
 
 def test_old_logprobs_from_the_update_forward_equal_a_separate_pass(tiny_path):
