@@ -272,8 +272,6 @@ class DeepSpeedWorker:
             self.sequence_group, self.sequence_rank = sequence_groups(optim.sequence_parallel)
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # whether the value head trains in an optimizer group of its own: a checkpoint resumes only into the same
-        self.head_group = len(optimizer_groups(model, optim.learning_rate, optim.head_learning_rate)) > 1
         self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,
                                        optim.zero_stage, dtype, optim.offload_optimizer, optim.offload_params,
                                        optim.head_learning_rate)
@@ -283,6 +281,12 @@ class DeepSpeedWorker:
     @property
     def module(self) -> nn.Module:
         return self.engine.module
+
+    @property
+    def head_group(self) -> bool:
+        """Whether the value head trains in an optimizer group of its own (a checkpoint resumes only into the
+        same grouping)."""
+        return any(g.get("name") == "value_head" for g in self.engine.optimizer.param_groups)
 
     def shard_experts(self, model: nn.Module) -> nn.Module:
         """Keep this rank's share of `model`'s routed experts under `expert_parallel` (the trained model, and any

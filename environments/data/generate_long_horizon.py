@@ -27,9 +27,9 @@ kinds, in many combinations:
 The splits do not share functions: lh_train tasks are built from the function tasks of coding_tasks.jsonl's train
 split, lh_heldout tasks only from those of its heldout split (8 functions), so a held-out task's modules were never
 seen in training; a few generic lines (`if not items:`, `total = 0`) occur in both. Two more splits of the same
-shape divide the training functions for a cold start that leaves RL something unseen to learn on: lh_rl tasks
-carry their faults in a third of them, lh_sft tasks in the rest (`disjoint_fault_splits`; they come last
-and from their own random generator, so lh_train and lh_heldout are the same with or without them). FAIL_TO_PASS and PASS_TO_PASS
+shape divide the training functions for a cold start that leaves RL something unseen to learn on: lh_rl tasks carry
+their faults in a third of them, lh_sft tasks in the rest (`disjoint_fault_splits`; they come last and from their
+own random generator, so lh_train and lh_heldout are the same with or without them). FAIL_TO_PASS and PASS_TO_PASS
 come from running each mutated module's tests here; check_long_horizon.py then verifies every task in a sandbox,
 trajectory included.
 """
@@ -306,8 +306,9 @@ def disjoint_fault_splits(train_pool: list[dict], viable: dict, n_sft: int, n_rl
     usable = [t for t in train_pool if viable[t["id"]] is not None]
     for_rl = rl_functions([t["id"] for t in usable], seed)
     out, seen = [], set()
-    for split, count, faulty_pool in (("lh_sft", n_sft, [t for t in usable if viable[t["id"]] and t["id"] not in for_rl]),
-                                      ("lh_rl", n_rl, [t for t in usable if viable[t["id"]] and t["id"] in for_rl])):
+    faultable = [t for t in usable if viable[t["id"]]]
+    for split, count, faulty_pool in (("lh_sft", n_sft, [t for t in faultable if t["id"] not in for_rl]),
+                                      ("lh_rl", n_rl, [t for t in faultable if t["id"] in for_rl])):
         made, tries = 0, 0
         while made < count and tries < count * 50:
             tries += 1
@@ -331,8 +332,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--train", type=int, default=320)
     ap.add_argument("--heldout", type=int, default=48)
-    ap.add_argument("--sft", type=int, default=320, help="lh_sft tasks (faults in two thirds of the functions)")
-    ap.add_argument("--rl", type=int, default=320, help="lh_rl tasks (faults in the other third)")
+    ap.add_argument("--sft", type=int, default=320, help="lh_sft tasks (faults outside rl_functions)")
+    ap.add_argument("--rl", type=int, default=320, help="lh_rl tasks (faults in rl_functions: a third)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)

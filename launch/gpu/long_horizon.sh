@@ -9,9 +9,10 @@
 #   RUNS=$'long_horizon_gpu|\nlh_truncation|agent.compaction.enabled=false\nlh_per_segment|algorithm.chain_segments=false'
 # The overrides after TIME_S go to every run. Each run's metrics, summary and curves come back under $RESULTS
 # (sft_* and <run name>_*). EXPERIMENT picks the experiment (long_horizon_gpu; long_horizon_gen_gpu: the generated
-# tasks; long_horizon_gen_split_gpu: the SFT on lh_sft, RL on lh_rl). With several runs the GPU is shared, so each run (and the SFT) gets SHARED_ARGS first (overrides after
-# TIME_S still win): micro-batches of 8,192 positions (at 32,768 a trainer process held about 52 GB) and 8% of the
-# free memory for each SGLang server (plenty for the 135M policy; docs/SGLANG.md, "Several servers on one GPU").
+# tasks; long_horizon_gen_split_gpu: the SFT on lh_sft, RL on lh_rl). With several runs the GPU is shared, so
+# each run (and the SFT) gets SHARED_ARGS first (overrides after TIME_S still win): micro-batches of 8,192
+# positions (at 32,768 a trainer process held about 52 GB) and 8% of the free memory for each SGLang server (plenty
+# for the 135M policy; docs/SGLANG.md, "Several servers on one GPU").
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
