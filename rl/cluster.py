@@ -7,7 +7,6 @@ process on this machine; every placement comes from the config.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from rl.actor import ActorWorker
 from rl.config import AlgorithmConfig, Config
 from rl.group import TrainerGroup
 from rl.weight_sync import WeightSync, make_weight_sync
-from rollout.config import EngineConfig, SGLangConfig
 from rollout.sglang.fleet import SGLangFleet
 from rollout.types import Trajectory
 from rollout.worker import RolloutWorker
@@ -68,14 +66,6 @@ def start_ray(cfg: Config) -> None:
                  log_to_driver=True, configure_logging=False, runtime_env={"env_vars": env_vars} if env_vars else None)
 
 
-def sglang_config(engine: EngineConfig) -> SGLangConfig:
-    """The fleet's settings, with the server flags the engine's options need."""
-    sglang = engine.sglang
-    if engine.return_routed_experts:
-        sglang = dataclasses.replace(sglang, args={"enable-return-routed-experts": True, **sglang.args})
-    return sglang
-
-
 def _optim(t) -> dict:
     """The optimiser and parallelism settings the actor and the critic share (trainer.*)."""
     return dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
@@ -101,7 +91,7 @@ def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "
     t = cfg.trainer
     fleet = None
     if cfg.engine.type == "sglang":  # first: the servers take minutes to load, and their GPUs come first
-        fleet = SGLangFleet(sglang_config(cfg.engine), policy, log_dir=f"{run_dir}/sglang" if run_dir else None)
+        fleet = SGLangFleet(cfg.engine.server_config(), policy, log_dir=f"{run_dir}/sglang" if run_dir else None)
         fleet.start()
     actor = actor_group(cfg, policy)
     critic_worker = None

@@ -84,8 +84,8 @@ def evaluate(model: str, cfg: Config, tasks_source: str, split: str | None, max_
     if cfg.engine.type == "sglang":  # servers of this model (or the ones named in engine.sglang.urls)
         # server logs in a folder of this evaluation's own: a shared /tmp/sglang-0.log would mix the logs of
         # jobs running side by side (and the start-up retry reads its own server's log)
-        fleet = SGLangFleet(cfg.engine.sglang, model_path, log_dir=tempfile.mkdtemp(prefix="rl-evaluate-sglang-"),
-                            use_ray=False)
+        fleet = SGLangFleet(cfg.engine.server_config(), model_path,
+                            log_dir=tempfile.mkdtemp(prefix="rl-evaluate-sglang-"), use_ray=False)
         fleet.start()
     try:
         worker = RolloutWorker(model_path, cfg.engine, cfg.agent, cfg.guard, cfg.model.chat_format,

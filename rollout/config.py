@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 SUMMARY_INSTRUCTION_TOKENS = 256  # upper bound of the summary instruction message, tokenised
+# SGLang server flags that choose the decode CUDA graphs' batch sizes themselves (0.5.17 spellings and older ones)
+CUDA_GRAPH_BATCH_FLAGS = ("cuda-graph-max-bs", "cuda-graph-max-bs-decode", "cuda-graph-bs", "cuda-graph-bs-decode",
+                          "disable-cuda-graph", "disable-decode-cuda-graph", "cuda-graph-backend-decode")
+# Above this many requests in flight the server's own choice stands (SGLang 0.5.17: 256 on an 80-160 GB GPU at tp < 4)
+CUDA_GRAPH_DERIVED_MAX = 256
 
 
 @dataclass
@@ -103,6 +109,31 @@ class EngineConfig:
         if self.type == "sglang":
             out += self.sglang.problems(f"{prefix}.sglang")
         return out
+
+    def max_requests_in_flight(self) -> int:
+        """The most generation requests the rollout workers can have open at once: each worker runs its
+        episodes (at most max_concurrent_episodes, plus the 8 spare calls its Ray actor accepts: an evaluation
+        beside training) one request at a time."""
+        return self.num_workers * (self.max_concurrent_episodes + 8)
+
+    def server_config(self) -> SGLangConfig:
+        """The fleet's settings, with the server flags the engine's options need.
+
+        - `return_routed_experts` adds --enable-return-routed-experts.
+        - The decode CUDA graphs are captured only up to the batch the workers can fill (--cuda-graph-max-bs),
+          unless engine.sglang.args choose the graphs' sizes. On an H200 at tp < 4, SGLang 0.5.17 captures 36 batch
+          sizes up to 256 by default; a fleet fed by 64 episodes never batches more than 72 requests, and capture is
+          most of a server's start-up (docs/BENCHMARKS.md). A server of several gets no more than the fleet's
+          total, so this bound holds whatever the router does.
+        """
+        args = dict(self.sglang.args)
+        if self.return_routed_experts:
+            args = {"enable-return-routed-experts": True, **args}
+        chosen = {str(key).lstrip("-").replace("_", "-") for key in args}
+        in_flight = self.max_requests_in_flight()
+        if not chosen & set(CUDA_GRAPH_BATCH_FLAGS) and in_flight <= CUDA_GRAPH_DERIVED_MAX:
+            args["cuda-graph-max-bs"] = in_flight
+        return dataclasses.replace(self.sglang, args=args)
 
 
 @dataclass

@@ -174,7 +174,6 @@ def test_sglang_routing_reaches_the_trainer(glm52_path, glm52_policy, tmp_path):
     import sys
     from pathlib import Path
 
-    from rl.cluster import sglang_config
     from rollout.config import EngineConfig, SGLangConfig
     from rollout.sglang.fleet import SGLangFleet
     from rollout.worker import make_sglang_engine
@@ -182,8 +181,8 @@ def test_sglang_routing_reaches_the_trainer(glm52_path, glm52_policy, tmp_path):
     fake = [sys.executable, str(Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py")]
     cfg = EngineConfig(type="sglang", return_routed_experts=True,
                        sglang=SGLangConfig(launch_command=fake, router="off", startup_timeout_s=120))
-    assert sglang_config(cfg).args == {"enable-return-routed-experts": True}
-    fleet = SGLangFleet(sglang_config(cfg), glm52_path, log_dir=str(tmp_path), use_ray=False)
+    assert cfg.server_config().args == {"enable-return-routed-experts": True, "cuda-graph-max-bs": 40}
+    fleet = SGLangFleet(cfg.server_config(), glm52_path, log_dir=str(tmp_path), use_ray=False)
     fleet.start()
     try:
         async def go():

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.config import SGLangConfig
+from rollout.config import EngineConfig, SGLangConfig
 from rollout.sglang.client import SGLangClient
 from rollout.sglang.engine import SGLangEngine
 from rollout.sglang.fleet import SGLangFleet
-from rollout.sglang.server import RouterProcess, SGLangServer, ServerStartError, http_ok
+from rollout.sglang.server import RouterProcess, SGLangServer, ServerStartError, http_ok, server_args
 from rollout.types import SamplingParams
 
 FAKE = [sys.executable, str(Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py")]
@@ -44,6 +44,20 @@ async def _with_engine(fn, **kwargs):
         return await fn(engine)
     finally:
         await engine.close()
+
+
+def test_servers_capture_cuda_graphs_only_up_to_the_batch_the_workers_can_fill():
+    """2 workers × (64 episodes + 8 spare calls) never batch more than 144 requests on any one server."""
+    cfg = EngineConfig(type="sglang", num_workers=2, max_concurrent_episodes=64, sglang=SGLangConfig(args={"tp": 1}))
+    args = cfg.server_config().args
+    assert args == {"tp": 1, "cuda-graph-max-bs": 144}
+    assert server_args(args)[-2:] == ["--cuda-graph-max-bs", "144"]
+    assert cfg.sglang.args == {"tp": 1}  # the run's own config is left as it was
+    for chosen in ({"cuda_graph_max_bs": 8}, {"--cuda-graph-bs-decode": [1, 2]}, {"disable-cuda-graph": True}):
+        cfg = EngineConfig(type="sglang", sglang=SGLangConfig(args=chosen))
+        assert cfg.server_config().args == chosen  # the user's choice of graphs stands, in any spelling
+    big = EngineConfig(type="sglang", num_workers=8, max_concurrent_episodes=64)  # 576 in flight: SGLang's default
+    assert "cuda-graph-max-bs" not in big.server_config().args
 
 
 def test_a_server_that_cannot_start_reports_its_log(tmp_path):
