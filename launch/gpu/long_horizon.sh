@@ -12,7 +12,8 @@
 # tasks; long_horizon_gen_split_gpu: the SFT on lh_sft, RL on lh_rl). With several runs the GPU is shared, so
 # each run (and the SFT) gets SHARED_ARGS first (overrides after TIME_S still win): micro-batches of 8,192
 # positions (at 32,768 a trainer process held about 52 GB) and 8% of the free memory for each SGLang server (plenty
-# for the 135M policy; docs/SGLANG.md, "Several servers on one GPU").
+# for the 135M policy; docs/SGLANG.md, "Several servers on one GPU"). A fresh SFT checkpoint is packed for the next
+# session (launch/gpu/hf_carry.sh); one carried in from an earlier session is used instead of a new SFT.
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
@@ -37,6 +38,10 @@ if [ ! -f "$SFT/hf/config.json" ]; then
   python3 -m rl.sft +experiment="$EXPERIMENT" output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" ${SFT_ARGS:-} \
     || { echo "long_horizon: rl.sft failed"; collect "$SFT" sft; exit 1; }
   collect "$SFT" sft
+  # packed for the next session beside PPO (bf16, ~15 parts; `hf_carry.sh fetch 0`, 4, 8, 12 once the job ended)
+  SFT_ARGS=${SFT_ARGS:-} bash launch/gpu/hf_carry.sh pack "$SFT/hf" >"$RESULTS/hf_carry.log" 2>&1 &
+else  # an earlier session's checkpoint (launch/gpu/hf_carry.sh, unpacked by setup.sh) or this machine's own
+  echo "long_horizon: SFT checkpoint found in $SFT/hf, no SFT this time: $(tr '\n' ' ' <"$SFT/hf/CARRY.txt" 2>/dev/null)"
 fi
 left=$((TIME_S - (SECONDS - started)))
 echo "long_horizon: SFT done after $((SECONDS - started)) s; PPO gets $left s"

@@ -31,6 +31,9 @@ if [ ! -f $SGL/.unpacked ] && [ -f /tmp/rl-sgl-parts/NPARTS ] \
   mkdir -p $SGL && cat /tmp/rl-sgl-parts/site.tar.xz.part* | xz -d -T0 | tar -x -C $SGL && touch $SGL/.unpacked
 fi
 [ -f $SGL/.unpacked ] && export RL_SGLANG_PYTHONPATH=$SGL
+# An HF folder an earlier session kept (the SFT checkpoint: .carry/hf0, hf1, ..., one a call), unpacked where it
+# was made once every part has arrived.
+bash launch/gpu/hf_carry.sh unpack || true
 echo "setup: sglang $([ -f $SGL/.unpacked ] && echo ready || echo "parts: $(ls /tmp/rl-sgl-parts | tr '\n' ' ')")"
 echo "setup: stack $([ -f $STACK/.unpacked ] && echo ready || echo missing)," \
      "policy $([ -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && echo ready || echo "parts: $(ls /tmp/rl-gguf | tr '\n' ' ')")"

@@ -1,0 +1,95 @@
+#!/bin/bash
+# Keep an HF folder made on the GPU machine (the SFT cold start's checkpoint) for the next session. The machine is
+# bare at every session's start, and a long-horizon SFT costs ~265 s of the session's 1,800. The weights travel in
+# bf16, xz-compressed (the 135M policy: 270 MB, ~195 MB after xz), as 13-MiB parts, four a device call each way: a
+# call brings at most 64 MiB back, and carries 64 MiB in with the working tree (~8 MB).
+#   GPU machine, after the SFT:  bash launch/gpu/hf_carry.sh pack SRC [DEST]   (DEST: where it unpacks; SRC if none)
+#   GPU machine, a call each:    bash launch/gpu/hf_carry.sh fetch FIRST        (parts FIRST..FIRST+3 → $OUT)
+#   here, after each fetch:      bash launch/gpu/hf_carry.sh stage FILES_AT     (→ .carry/hf0, hf1, ...: one a call)
+#   GPU machine, every call:     bash launch/gpu/hf_carry.sh unpack             (launch/gpu/setup.sh runs it)
+# `unpack` gathers the parts of .carry/hf* that each call brings and, once all have arrived and the checksum holds,
+# unpacks them to DEST; long_horizon.sh then finds the SFT done and starts PPO at once. The weights are the SFT's
+# fp32 weights rounded to bf16 (at most 2^-8 of each weight; the trainer loads them back in fp32), and the step-0
+# evaluation measures the policy PPO starts from, as always. CARRY.txt in the folder says where and when it was made.
+set -euo pipefail
+VERB=${1:-}; shift || true
+PACKED=${HF_CARRY_PACKED:-/tmp/rl-hf-carry}  # pack's output on the GPU machine
+PARTS=${HF_CARRY_PARTS:-/tmp/rl-hf-parts}    # unpack's gathering place there (it outlives a call)
+PART_SIZE=${HF_CARRY_PART_SIZE:-13M} PER_CALL=4  # split -b's size; smaller only in the tests
+in_order() { find "$@" -name 'hf.tar.part*' -printf '%f %p\n' | sort | cut -d' ' -f2; }  # parts by number
+checksum() { in_order "$@" | xargs cat | sha256sum | cut -d' ' -f1; }
+case $VERB in
+pack)
+  SRC=$1 DEST=${2:-$1}
+  rm -rf "$PACKED" && mkdir -p "$PACKED/hf"
+  python3 - "$SRC" "$PACKED/hf" <<'EOF'
+import shutil, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+for f in src.iterdir():
+    if f.suffix == ".safetensors":
+        tensors = load_file(f)
+        save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+                  dst / f.name, metadata={"format": "pt"})
+    elif f.is_file():
+        shutil.copy2(f, dst / f.name)
+EOF
+  { echo "made $(date -u +%FT%TZ) from $SRC, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "weights rounded to bf16 for the carry (the trainer loads them in fp32)"
+    [ -z "${SFT_ARGS:-}" ] || echo "SFT_ARGS: $SFT_ARGS"; } > "$PACKED/hf/CARRY.txt"
+  # xz -1: the exponents compress (to ~72% after an SFT; 63% for the base policy, dequantised from 4 bits)
+  tar -C "$PACKED/hf" -cf - . | xz -T0 -1 | split -b "$PART_SIZE" -d -a 2 - "$PACKED/hf.tar.part"
+  rm -rf "$PACKED/hf"
+  checksum "$PACKED" > "$PACKED/SHA256"
+  echo "$DEST" > "$PACKED/DEST"
+  n=$(in_order "$PACKED" | wc -l); echo "$n" > "$PACKED/NPARTS"
+  echo "hf_carry: packed $SRC in $n parts: fetch $(seq -s ', ' 0 $PER_CALL $((n - 1))), a call each"
+  ;;
+fetch)
+  FIRST=$1
+  [ -f "$PACKED/NPARTS" ] || { echo "hf_carry: nothing packed in $PACKED (yet?)" >&2; exit 1; }
+  cp "$PACKED/SHA256" "$PACKED/DEST" "$PACKED/NPARTS" "${OUT:?}/"
+  for i in $(seq "$FIRST" $((FIRST + PER_CALL - 1))); do
+    f=$(printf '%s/hf.tar.part%02d' "$PACKED" "$i"); [ ! -f "$f" ] || cp "$f" "$OUT/"
+  done
+  echo "hf_carry: parts $FIRST-$((FIRST + PER_CALL - 1)) of $(cat "$PACKED/NPARTS") in \$OUT"
+  ;;
+stage)
+  FROM=$1 REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+  CARRY=${HF_CARRY_DIR:-$REPO/.carry}
+  [ -n "${HF_CARRY_DIR:-}" ] || grep -qx '/.carry/' "$REPO/.git/info/exclude" 2>/dev/null \
+    || echo '/.carry/' >> "$REPO/.git/info/exclude"
+  if [ -f "$CARRY/hf0/SHA256" ] && ! cmp -s "$FROM/SHA256" "$CARRY/hf0/SHA256"; then  # another checkpoint's parts
+    rm -rf "$CARRY"/hf[0-9]*
+  fi
+  mkdir -p "$CARRY/hf0" && cp "$FROM/SHA256" "$FROM/DEST" "$FROM/NPARTS" "$CARRY/hf0/"
+  for f in $(in_order "$FROM"); do
+    i=$((10#${f##*part})); mkdir -p "$CARRY/hf$((i / PER_CALL))"; cp "$f" "$CARRY/hf$((i / PER_CALL))/"
+  done
+  have=$(in_order "$CARRY"/hf[0-9]* | wc -l) n=$(cat "$CARRY/hf0/NPARTS")
+  if [ "$have" -lt "$n" ]; then echo "hf_carry: $have of $n parts staged"; exit 0; fi
+  if [ "$(checksum "$CARRY"/hf[0-9]*)" != "$(cat "$CARRY/hf0/SHA256")" ]; then
+    echo "hf_carry: all $n parts staged, but the checksum does not hold: fetch them again" >&2; exit 1
+  fi
+  echo "hf_carry: all $n parts staged in $(cd "$CARRY" && ls -d hf[0-9]* | tr '\n' ' ')(carry one a call);" \
+       "they unpack to $(cat "$CARRY/hf0/DEST")"
+  ;;
+unpack)
+  CARRY=${HF_CARRY_DIR:-.carry}
+  mkdir -p "$PARTS"
+  for d in "$CARRY"/hf[0-9]*; do [ ! -d "$d" ] || cp -n "$d"/* "$PARTS/"; done
+  [ -f "$PARTS/NPARTS" ] || exit 0  # nothing carried
+  if [ ! -f "$PARTS/.unpacked" ] && [ "$(in_order "$PARTS" | wc -l)" -ge "$(cat "$PARTS/NPARTS")" ]; then
+    if [ "$(checksum "$PARTS")" != "$(cat "$PARTS/SHA256")" ]; then
+      echo "hf_carry: the carried HF folder's checksum does not hold" >&2; exit 1
+    fi
+    mkdir -p "$(cat "$PARTS/DEST")"
+    in_order "$PARTS" | xargs cat | xz -d -T0 | tar -x -C "$(cat "$PARTS/DEST")" && touch "$PARTS/.unpacked"
+  fi
+  if [ -f "$PARTS/.unpacked" ]; then echo "hf_carry: HF folder ready in $(cat "$PARTS/DEST")"
+  else echo "hf_carry: HF folder parts: $(in_order "$PARTS" | wc -l) of $(cat "$PARTS/NPARTS")"; fi
+  ;;
+*) echo "usage: hf_carry.sh pack SRC [DEST] | fetch FIRST | stage DIR | unpack" >&2; exit 2 ;;
+esac
