@@ -38,13 +38,19 @@ from rl.rollout_manager import RolloutManager
 from rl.run_log import MetricsLogger, plot_curves
 from rl.trajectory_metrics import trajectory_metrics
 from rl.loop import TimeLimit, Timer, check_sandbox, checkpoint_state, prepare_run_dir, write_audit
+from rollout.config import chooses_cuda_graphs
 
 log = logging.getLogger("opd.distill")
 
 
 def sglang_settings(sglang) -> dict:
-    """What an `sglang` teacher's server needs of the run's engine.sglang (plain types, for Ray)."""
-    return {"launch_command": list(sglang.launch_command), "args": dict(sglang.args), "env": dict(sglang.env),
+    """What an `sglang` teacher's server needs of the run's engine.sglang (plain types, for Ray). A teacher only
+    scores (prefill, `max_new_tokens` 0) and never decodes, so its server captures one decode CUDA graph instead
+    of SGLang's 36 (capture is most of a start-up: docs/SGLANG.md), unless the args choose the graphs."""
+    args = dict(sglang.args)
+    if not chooses_cuda_graphs(args):
+        args["cuda-graph-max-bs"] = 1
+    return {"launch_command": list(sglang.launch_command), "args": args, "env": dict(sglang.env),
             "host": sglang.host, "startup_timeout_s": sglang.startup_timeout_s,
             "request_timeout_s": sglang.request_timeout_s, "memory_retries": sglang.memory_retries}
 

@@ -129,11 +129,15 @@ class EngineConfig:
         args = dict(self.sglang.args)
         if self.return_routed_experts:
             args = {"enable-return-routed-experts": True, **args}
-        chosen = {str(key).lstrip("-").replace("_", "-") for key in args}
         in_flight = self.max_requests_in_flight()
-        if not chosen & set(CUDA_GRAPH_BATCH_FLAGS) and in_flight <= CUDA_GRAPH_DERIVED_MAX:
+        if not chooses_cuda_graphs(args) and in_flight <= CUDA_GRAPH_DERIVED_MAX:
             args["cuda-graph-max-bs"] = in_flight
         return dataclasses.replace(self.sglang, args=args)
+
+
+def chooses_cuda_graphs(args: dict[str, Any]) -> bool:
+    """Whether SGLang server arguments choose the decode CUDA graphs' batch sizes themselves (any spelling)."""
+    return any(str(key).lstrip("-").replace("_", "-") in CUDA_GRAPH_BATCH_FLAGS for key in args)
 
 
 @dataclass
