@@ -45,11 +45,12 @@ log = logging.getLogger("opd.distill")
 
 def sglang_settings(sglang) -> dict:
     """What an `sglang` teacher's server needs of the run's engine.sglang (plain types, for Ray). A teacher only
-    scores (prefill, `max_new_tokens` 0) and never decodes, so its server captures one decode CUDA graph instead
-    of SGLang's 36 (capture is most of a start-up: docs/SGLANG.md), unless the args choose the graphs."""
+    scores (prefill-only requests, `max_new_tokens` 0), which never decode, so its server captures no decode CUDA
+    graph (SGLang 0.5.17 would capture 36; capture is most of a start-up: docs/SGLANG.md), unless the args choose
+    the graphs. (Not `--cuda-graph-max-bs 1`: where SGLang aligns batch sizes to more than 1, that leaves no size.)"""
     args = dict(sglang.args)
     if not chooses_cuda_graphs(args):
-        args["cuda-graph-max-bs"] = 1
+        args["disable-decode-cuda-graph"] = True
     return {"launch_command": list(sglang.launch_command), "args": args, "env": dict(sglang.env),
             "host": sglang.host, "startup_timeout_s": sglang.startup_timeout_s,
             "request_timeout_s": sglang.request_timeout_s, "memory_retries": sglang.memory_retries}

@@ -9,7 +9,8 @@ from typing import Any
 SUMMARY_INSTRUCTION_TOKENS = 256  # upper bound of the summary instruction message, tokenised
 # SGLang server flags that choose the decode CUDA graphs' batch sizes themselves (0.5.17 spellings and older ones)
 CUDA_GRAPH_BATCH_FLAGS = ("cuda-graph-max-bs", "cuda-graph-max-bs-decode", "cuda-graph-bs", "cuda-graph-bs-decode",
-                          "disable-cuda-graph", "disable-decode-cuda-graph", "cuda-graph-backend-decode")
+                          "disable-cuda-graph", "disable-decode-cuda-graph", "cuda-graph-backend-decode",
+                          "cuda-graph-config")
 # Above this many requests in flight the server's own choice stands (SGLang 0.5.17: 256 on an 80-160 GB GPU at tp < 4)
 CUDA_GRAPH_DERIVED_MAX = 256
 
@@ -136,8 +137,10 @@ class EngineConfig:
 
 
 def chooses_cuda_graphs(args: dict[str, Any]) -> bool:
-    """Whether SGLang server arguments choose the decode CUDA graphs' batch sizes themselves (any spelling)."""
-    return any(str(key).lstrip("-").replace("_", "-") in CUDA_GRAPH_BATCH_FLAGS for key in args)
+    """Whether SGLang server arguments choose the decode CUDA graphs themselves (any spelling; false or null
+    leaves a flag out, so it chooses nothing)."""
+    return any(str(key).lstrip("-").replace("_", "-") in CUDA_GRAPH_BATCH_FLAGS and value not in (False, None)
+               for key, value in args.items())
 
 
 @dataclass

@@ -40,7 +40,7 @@ EOF
     echo "weights rounded to bf16 for the carry (the trainer loads them in fp32)"
     [ -z "${SFT_ARGS:-}" ] || echo "SFT_ARGS: $SFT_ARGS"; } > "$PACKED/hf/CARRY.txt"
   # xz -1: the exponents compress (to ~72% after an SFT; 63% for the base policy, dequantised from 4 bits)
-  tar -C "$PACKED/hf" -cf - . | xz -T0 -1 | split -b "$PART_SIZE" -d -a 2 - "$PACKED/hf.tar.part"
+  tar -C "$PACKED/hf" -cf - . | nice -n 10 xz -T0 -1 | split -b "$PART_SIZE" -d -a 2 - "$PACKED/hf.tar.part"
   rm -rf "$PACKED/hf"
   checksum "$PACKED" > "$PACKED/SHA256"
   echo "$DEST" > "$PACKED/DEST"
@@ -59,6 +59,9 @@ fetch)
 stage)
   FROM=$1 REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
   CARRY=${HF_CARRY_DIR:-$REPO/.carry}
+  # a fetch that brought nothing (pack not done, machine gone) must not clear the parts staged so far
+  [ -f "$FROM/SHA256" ] && [ -f "$FROM/NPARTS" ] && [ -f "$FROM/DEST" ] \
+    || { echo "hf_carry: no packed parts in $FROM (did the fetch say \"nothing packed\"?)" >&2; exit 1; }
   [ -n "${HF_CARRY_DIR:-}" ] || grep -qx '/.carry/' "$REPO/.git/info/exclude" 2>/dev/null \
     || echo '/.carry/' >> "$REPO/.git/info/exclude"
   if [ -f "$CARRY/hf0/SHA256" ] && ! cmp -s "$FROM/SHA256" "$CARRY/hf0/SHA256"; then  # another checkpoint's parts
@@ -79,14 +82,19 @@ stage)
 unpack)
   CARRY=${HF_CARRY_DIR:-.carry}
   mkdir -p "$PARTS"
-  for d in "$CARRY"/hf[0-9]*; do [ ! -d "$d" ] || cp -n "$d"/* "$PARTS/"; done
+  for f in "$CARRY"/hf[0-9]*/*; do  # a warm machine still has the earlier calls' folders
+    [ ! -f "$f" ] || [ -e "$PARTS/${f##*/}" ] || cp "$f" "$PARTS/"
+  done
   [ -f "$PARTS/NPARTS" ] || exit 0  # nothing carried
   if [ ! -f "$PARTS/.unpacked" ] && [ "$(in_order "$PARTS" | wc -l)" -ge "$(cat "$PARTS/NPARTS")" ]; then
     if [ "$(checksum "$PARTS")" != "$(cat "$PARTS/SHA256")" ]; then
       echo "hf_carry: the carried HF folder's checksum does not hold" >&2; exit 1
     fi
-    mkdir -p "$(cat "$PARTS/DEST")"
-    in_order "$PARTS" | xargs cat | xz -d -T0 | tar -x -C "$(cat "$PARTS/DEST")" && touch "$PARTS/.unpacked"
+    DEST=$(cat "$PARTS/DEST"); rm -rf "$DEST.partial" && mkdir -p "$DEST.partial"
+    # into DEST.partial first: a half-unpacked DEST with its config.json would pass for a finished SFT
+    in_order "$PARTS" | xargs cat | xz -d -T0 | tar -x -C "$DEST.partial" \
+      || { echo "hf_carry: unpacking to $DEST failed" >&2; rm -rf "$DEST.partial"; exit 1; }
+    rm -rf "$DEST" && mv "$DEST.partial" "$DEST" && touch "$PARTS/.unpacked"
   fi
   if [ -f "$PARTS/.unpacked" ]; then echo "hf_carry: HF folder ready in $(cat "$PARTS/DEST")"
   else echo "hf_carry: HF folder parts: $(in_order "$PARTS" | wc -l) of $(cat "$PARTS/NPARTS")"; fi

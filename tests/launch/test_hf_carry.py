@@ -41,17 +41,27 @@ def test_an_hf_folder_travels_in_parts_and_arrives_in_bf16(tiny_path, tmp_path):
     for i, back in enumerate(fetched):
         said = carry(tmp_path, "stage", str(back))
         assert ("all" in said) == (i == len(fetched) - 1)
+        if i == 0:  # a fetch that brought nothing is refused and keeps what was staged
+            empty = tmp_path / "files_at_empty"
+            empty.mkdir()
+            refused = subprocess.run(["bash", str(SCRIPT), "stage", str(empty)], capture_output=True, text=True,
+                                     env={**os.environ, "HF_CARRY_DIR": str(tmp_path / "carry")})
+            assert refused.returncode == 1 and "no packed parts" in refused.stderr
+            assert len(list((tmp_path / "carry" / "hf0").glob("hf.tar.part*"))) == 4
     folders = sorted(p.name for p in (tmp_path / "carry").iterdir())
     assert folders == [f"hf{k}" for k in range(len(fetched))]  # one folder a call
-    # the GPU machine: each call brings one folder; the last one completes it
-    for k, folder in enumerate(folders):
-        call = tmp_path / f"call{k}" / "hf_carry"
-        (call / folder).parent.mkdir(parents=True)
-        os.rename(tmp_path / "carry" / folder, call / folder)
-        said = subprocess.run(["bash", str(SCRIPT), "unpack"], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "HF_CARRY_PARTS": str(tmp_path / "parts"), "HF_CARRY_DIR": str(call)})
+    # the GPU machine: each call brings one more folder, and a warm machine still has the earlier ones (and the
+    # parts gathered from them); the last one completes it, and later calls find it done
+    machine = tmp_path / "machine" / ".carry"
+    machine.mkdir(parents=True)
+    for k, folder in enumerate(folders + [None]):
+        if folder is not None:
+            os.rename(tmp_path / "carry" / folder, machine / folder)
+        env = {**os.environ, "HF_CARRY_PARTS": str(tmp_path / "parts"), "HF_CARRY_DIR": str(machine)}
+        said = subprocess.run(["bash", str(SCRIPT), "unpack"], capture_output=True, text=True, timeout=300, env=env)
         assert said.returncode == 0, said.stderr
-        assert ("ready" in said.stdout) == (k == len(folders) - 1), said.stdout
+        assert ("ready" in said.stdout) == (k >= len(folders) - 1), said.stdout
+        assert dest.exists() == (k >= len(folders) - 1)
     assert "bf16" in (dest / "CARRY.txt").read_text()
     for f in src.glob("*.safetensors"):
         before, after = load_file(f), load_file(dest / f.name)

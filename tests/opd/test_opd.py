@@ -107,14 +107,14 @@ def test_an_sglang_teacher_needs_temperature_one():
     assert validate_opd(cfg, {"function"})["function"].name == "f"
 
 
-def test_an_sglang_teacher_captures_one_decode_graph():
-    """A teacher only scores (prefill-only requests): its server gets --cuda-graph-max-bs 1 unless the run's args
-    choose the graphs; the student's servers keep the batch their workers can fill."""
+def test_an_sglang_teacher_captures_no_decode_graph():
+    """A teacher only scores (prefill-only requests): its server gets --disable-decode-cuda-graph unless the run's
+    args choose the graphs; the student's servers keep the batch their workers can fill."""
     from opd.distill import sglang_settings
     from rollout.config import EngineConfig, SGLangConfig
 
     engine = EngineConfig(type="sglang", max_concurrent_episodes=64, sglang=SGLangConfig(args={"tp": 1}))
-    assert sglang_settings(engine.sglang)["args"] == {"tp": 1, "cuda-graph-max-bs": 1}
+    assert sglang_settings(engine.sglang)["args"] == {"tp": 1, "disable-decode-cuda-graph": True}
     assert engine.server_config().args == {"tp": 1, "cuda-graph-max-bs": 72}
     chosen = SGLangConfig(args={"cuda_graph_bs": [1, 2]})
     assert sglang_settings(chosen)["args"] == {"cuda_graph_bs": [1, 2]}
