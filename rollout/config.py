@@ -131,16 +131,22 @@ class EngineConfig:
         if self.return_routed_experts:
             args = {"enable-return-routed-experts": True, **args}
         in_flight = self.max_requests_in_flight()
+        running = [int(v) for k, v in args.items() if flag_name(k) == "max-running-requests" and v not in (False, None)]
+        in_flight = min([in_flight, *running])  # the server batches no more than it lets run
         if not chooses_cuda_graphs(args) and in_flight <= CUDA_GRAPH_DERIVED_MAX:
             args["cuda-graph-max-bs"] = in_flight
         return dataclasses.replace(self.sglang, args=args)
 
 
+def flag_name(key: Any) -> str:
+    """An SGLang argument's name as its flag spells it: `cuda_graph_max_bs` and `--cuda-graph-max-bs` alike."""
+    return str(key).lstrip("-").replace("_", "-")
+
+
 def chooses_cuda_graphs(args: dict[str, Any]) -> bool:
     """Whether SGLang server arguments choose the decode CUDA graphs themselves (any spelling; false or null
     leaves a flag out, so it chooses nothing)."""
-    return any(str(key).lstrip("-").replace("_", "-") in CUDA_GRAPH_BATCH_FLAGS and value not in (False, None)
-               for key, value in args.items())
+    return any(flag_name(key) in CUDA_GRAPH_BATCH_FLAGS and value not in (False, None) for key, value in args.items())
 
 
 @dataclass

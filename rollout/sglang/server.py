@@ -20,6 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rollout.config import flag_name
+
 log = logging.getLogger(__name__)
 
 LOG_TAIL_CHARS = 4000
@@ -36,7 +38,7 @@ def server_args(args: Mapping[str, Any]) -> list[str]:
     """
     out: list[str] = []
     for key, value in args.items():
-        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        flag = "--" + flag_name(key)
         if value is None or value is False:
             continue
         if value is True:
@@ -249,7 +251,7 @@ class SGLangServer(ManagedProcess):
 
     def command_line(self, model_path: str | None = None) -> list[str]:
         managed = {"model-path", "host", "port"}
-        clash = [k for k in self.args if str(k).lstrip("-").replace("_", "-") in managed]
+        clash = [k for k in self.args if flag_name(k) in managed]
         if clash:
             raise ValueError(f"sglang args {clash} are set by the launcher (model path, host, port); remove them")
         return [*self.command, "--model-path", model_path or self.model_path, "--host", self.host,

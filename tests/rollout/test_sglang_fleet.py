@@ -56,6 +56,8 @@ def test_servers_capture_cuda_graphs_only_up_to_the_batch_the_workers_can_fill()
     for chosen in ({"cuda_graph_max_bs": 8}, {"--cuda-graph-bs-decode": [1, 2]}, {"disable-cuda-graph": True}):
         cfg = EngineConfig(type="sglang", sglang=SGLangConfig(args=chosen))
         assert cfg.server_config().args == chosen  # the user's choice of graphs stands, in any spelling
+    capped = EngineConfig(type="sglang", sglang=SGLangConfig(args={"max_running_requests": 24}))  # runs ≤ 24 at once
+    assert capped.server_config().args == {"max_running_requests": 24, "cuda-graph-max-bs": 24}
     unset = EngineConfig(type="sglang", sglang=SGLangConfig(args={"disable-cuda-graph": False}))  # chooses nothing
     assert unset.server_config().args == {"disable-cuda-graph": False, "cuda-graph-max-bs": 40}
     big = EngineConfig(type="sglang", num_workers=8, max_concurrent_episodes=64)  # 576 in flight: SGLang's default
