@@ -1,7 +1,7 @@
 #!/bin/bash
 # Keep an HF folder made on the GPU machine (the SFT cold start's checkpoint) for the next session. The machine is
 # bare at every session's start, and a long-horizon SFT costs ~265 s of the session's 1,800. The weights travel in
-# bf16, xz-compressed (the 135M policy: 270 MB, ~195 MB after xz), as 13-MiB parts, four a device call each way: a
+# bf16, xz-compressed (the 135M policy: 270 MB, ~195 MB after xz, simulated), as 13-MiB parts, four a device call each way: a
 # call brings at most 64 MiB back, and carries 64 MiB in with the working tree (~8 MB).
 #   GPU machine, after the SFT:  bash launch/gpu/hf_carry.sh pack SRC [DEST]   (DEST: where it unpacks; SRC if none)
 #   GPU machine, a call each:    bash launch/gpu/hf_carry.sh fetch FIRST        (parts FIRST..FIRST+3 → $OUT)
@@ -39,7 +39,8 @@ EOF
   { echo "made $(date -u +%FT%TZ) from $SRC, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "weights rounded to bf16 for the carry (the trainer loads them in fp32)"
     [ -z "${SFT_ARGS:-}" ] || echo "SFT_ARGS: $SFT_ARGS"; } > "$PACKED/hf/CARRY.txt"
-  # xz -1: the exponents compress (to ~72% after an SFT; 63% for the base policy, dequantised from 4 bits)
+  # xz -1: the exponents compress: to 63% for the base policy (dequantised from 4 bits), to ~72% with ~1% noise
+  # added to every weight as an SFT would (simulated on the CPU: an SFT checkpoint never left the GPU machine yet)
   tar -C "$PACKED/hf" -cf - . | nice -n 10 xz -T0 -1 | split -b "$PART_SIZE" -d -a 2 - "$PACKED/hf.tar.part"
   rm -rf "$PACKED/hf"
   checksum "$PACKED" > "$PACKED/SHA256"
