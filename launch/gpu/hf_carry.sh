@@ -1,8 +1,8 @@
 #!/bin/bash
 # Keep an HF folder made on the GPU machine (the SFT cold start's checkpoint) for the next session. The machine is
 # bare at every session's start, and a long-horizon SFT costs ~265 s of the session's 1,800. The weights travel in
-# bf16, xz-compressed (the 135M policy: 270 MB, ~195 MB after xz, simulated), as 13-MiB parts, four a device call each way: a
-# call brings at most 64 MiB back, and carries 64 MiB in with the working tree (~8 MB).
+# bf16, xz-compressed (the 135M policy: 270 MB, ~195 MB after xz, simulated), as 13-MiB parts, four a device call
+# each way: a call brings at most 64 MiB back, and carries 64 MiB in with the working tree (~8 MB).
 #   GPU machine, after the SFT:  bash launch/gpu/hf_carry.sh pack SRC [DEST]   (DEST: where it unpacks; SRC if none)
 #   GPU machine, a call each:    bash launch/gpu/hf_carry.sh fetch FIRST        (parts FIRST..FIRST+3 → $OUT)
 #   here, after each fetch:      bash launch/gpu/hf_carry.sh stage FILES_AT     (→ .carry/hf0, hf1, ...: one a call)
