@@ -26,8 +26,9 @@ for spec in function:1 bugfix:2; do  # domain:epochs, as the CPU demonstration m
 done
 left=$((TIME_S - (SECONDS - started)))
 echo "opd: experts ready after $((SECONDS - started)) s; the distillation gets $left s"
-collect() {  # RUN_NAME
+collect() {  # RUN_NAME: metrics, summary, config, curves, and the student's and teachers' SGLang logs (their start-up)
   for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$ROOT/$1/$f" ] && cp "$ROOT/$1/$f" "$RESULTS/$1_$f"; done
+  [ -d "$ROOT/$1/sglang" ] && tar -C "$ROOT/$1" -cJf "$RESULTS/$1_sglang_logs.tar.xz" sglang
   return 0
 }
 start_runs python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" \
