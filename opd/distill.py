@@ -206,7 +206,7 @@ def evaluate_teachers(cfg: DistillConfig, tasks) -> dict:
 
     out = {}
     for t in cfg.opd.teachers:
-        worker = ray.remote(num_cpus=0, num_gpus=t.gpus, max_concurrency=cfg.engine.max_concurrent_episodes + 8)(
+        worker = ray.remote(num_cpus=0, num_gpus=t.gpus, max_concurrency=cfg.engine.worker_max_calls)(
             RolloutWorker).remote(str(resolve_model_path(t.path)), cfg.engine.__class__(**{
                 **vars(cfg.engine), "type": "local", "speculative_steps": 0}), **rollout_worker_kwargs(cfg))
         trajs = ray.get([worker.run_episode.remote(task, "eval", 10_000 + i)

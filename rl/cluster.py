@@ -103,7 +103,7 @@ def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "
                                      cfg.algorithm.value_clip or None, dtype=cfg.model.dtype, seed=cfg.seed + 1,
                                      torch_threads=t.torch_threads or 0, sequence_parallel=t.sequence_parallel)
     rollout = [ray.remote(num_cpus=0, num_gpus=cfg.engine.gpus_per_worker,
-                          max_concurrency=cfg.engine.max_concurrent_episodes + 8,
+                          max_concurrency=cfg.engine.worker_max_calls,
                           max_restarts=cfg.engine.max_worker_restarts, max_task_retries=0)(RolloutWorker).remote(
         policy, cfg.engine, **rollout_worker_kwargs(cfg), worker_index=i,
         sglang_endpoint=fleet.endpoint() if fleet else None,

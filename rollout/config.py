@@ -111,11 +111,16 @@ class EngineConfig:
             out += self.sglang.problems(f"{prefix}.sglang")
         return out
 
+    @property
+    def worker_max_calls(self) -> int:
+        """Calls a rollout worker's Ray actor takes at once: its episodes, and 8 spare ones (weight pushes, stats,
+        an evaluation starting beside training)."""
+        return self.max_concurrent_episodes + 8
+
     def max_requests_in_flight(self) -> int:
-        """The most generation requests the rollout workers can have open at once: each worker runs its
-        episodes (at most max_concurrent_episodes, plus the 8 spare calls its Ray actor accepts: an evaluation
-        beside training) one request at a time."""
-        return self.num_workers * (self.max_concurrent_episodes + 8)
+        """The most generation requests the rollout workers can have open at once: each worker runs at most
+        `worker_max_calls` episodes, each one request at a time."""
+        return self.num_workers * self.worker_max_calls
 
     def server_config(self) -> SGLangConfig:
         """The fleet's settings, with the server flags the engine's options need.
@@ -130,9 +135,9 @@ class EngineConfig:
         args = dict(self.sglang.args)
         if self.return_routed_experts:
             args = {"enable-return-routed-experts": True, **args}
-        in_flight = self.max_requests_in_flight()
-        running = [int(v) for k, v in args.items() if flag_name(k) == "max-running-requests" and v not in (False, None)]
-        in_flight = min([in_flight, *running])  # the server batches no more than it lets run
+        in_flight, given = self.max_requests_in_flight(), flags_given(args)
+        if "max-running-requests" in given:  # the server batches no more than it lets run
+            in_flight = min(in_flight, int(given["max-running-requests"]))
         if not chooses_cuda_graphs(args) and in_flight <= CUDA_GRAPH_DERIVED_MAX:
             args["cuda-graph-max-bs"] = in_flight
         return dataclasses.replace(self.sglang, args=args)
@@ -143,10 +148,14 @@ def flag_name(key: Any) -> str:
     return str(key).lstrip("-").replace("_", "-")
 
 
+def flags_given(args: dict[str, Any]) -> dict[str, Any]:
+    """The flags SGLang server arguments pass, by flag name (false or null leaves a flag out)."""
+    return {flag_name(key): value for key, value in args.items() if value not in (False, None)}
+
+
 def chooses_cuda_graphs(args: dict[str, Any]) -> bool:
-    """Whether SGLang server arguments choose the decode CUDA graphs themselves (any spelling; false or null
-    leaves a flag out, so it chooses nothing)."""
-    return any(flag_name(key) in CUDA_GRAPH_BATCH_FLAGS and value not in (False, None) for key, value in args.items())
+    """Whether SGLang server arguments choose the decode CUDA graphs themselves (any spelling)."""
+    return not flags_given(args).keys().isdisjoint(CUDA_GRAPH_BATCH_FLAGS)
 
 
 @dataclass

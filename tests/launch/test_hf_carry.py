@@ -15,13 +15,18 @@ SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "gpu" / "hf_carry.sh"
 PART_SIZE = "512K"  # the tiny model in 9+ parts: three fetch calls and more, as the 135M policy's 15 parts take four
 
 
-def carry(tmp_path: Path, *args: str, out: Path | None = None) -> str:
+def run(tmp_path: Path, *args: str, out: Path | None = None, carry_dir: Path | None = None):
+    """hf_carry.sh with its folders under tmp_path (this Python's torch on PATH for `pack`)."""
     env = {**os.environ, "HF_CARRY_PACKED": str(tmp_path / "packed"), "HF_CARRY_PARTS": str(tmp_path / "parts"),
-           "HF_CARRY_PART_SIZE": PART_SIZE,
-           "HF_CARRY_DIR": str(tmp_path / "carry"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "HF_CARRY_PART_SIZE": PART_SIZE, "HF_CARRY_DIR": str(carry_dir or tmp_path / "carry"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     if out is not None:
         env["OUT"] = str(out)
-    done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def carry(tmp_path: Path, *args: str, **kwargs) -> str:
+    done = run(tmp_path, *args, **kwargs)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -44,8 +49,7 @@ def test_an_hf_folder_travels_in_parts_and_arrives_in_bf16(tiny_path, tmp_path):
         if i == 0:  # a fetch that brought nothing is refused and keeps what was staged
             empty = tmp_path / "files_at_empty"
             empty.mkdir()
-            refused = subprocess.run(["bash", str(SCRIPT), "stage", str(empty)], capture_output=True, text=True,
-                                     env={**os.environ, "HF_CARRY_DIR": str(tmp_path / "carry")})
+            refused = run(tmp_path, "stage", str(empty))
             assert refused.returncode == 1 and "no packed parts" in refused.stderr
             assert len(list((tmp_path / "carry" / "hf0").glob("hf.tar.part*"))) == 4
     folders = sorted(p.name for p in (tmp_path / "carry").iterdir())
@@ -57,10 +61,8 @@ def test_an_hf_folder_travels_in_parts_and_arrives_in_bf16(tiny_path, tmp_path):
     for k, folder in enumerate(folders + [None]):
         if folder is not None:
             os.rename(tmp_path / "carry" / folder, machine / folder)
-        env = {**os.environ, "HF_CARRY_PARTS": str(tmp_path / "parts"), "HF_CARRY_DIR": str(machine)}
-        said = subprocess.run(["bash", str(SCRIPT), "unpack"], capture_output=True, text=True, timeout=300, env=env)
-        assert said.returncode == 0, said.stderr
-        assert ("ready" in said.stdout) == (k >= len(folders) - 1), said.stdout
+        said = carry(tmp_path, "unpack", carry_dir=machine)
+        assert ("ready" in said) == (k >= len(folders) - 1), said
         assert dest.exists() == (k >= len(folders) - 1)
     assert "bf16" in (dest / "CARRY.txt").read_text()
     for f in src.glob("*.safetensors"):
@@ -86,11 +88,8 @@ def test_a_damaged_part_is_refused_and_unpacks_nothing(tiny_path, tmp_path):
         carry(tmp_path, "fetch", str(first), out=back)
     part = sorted(back.glob("hf.tar.part*"))[0]
     part.write_bytes(b"x" + part.read_bytes()[1:])
-    env = {**os.environ, "HF_CARRY_DIR": str(tmp_path / "carry"),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    staged = subprocess.run(["bash", str(SCRIPT), "stage", str(back)], env=env, capture_output=True, text=True)
+    staged = run(tmp_path, "stage", str(back))
     assert staged.returncode == 1 and "checksum" in staged.stderr
-    env["HF_CARRY_PARTS"] = str(tmp_path / "parts")
-    unpacked = subprocess.run(["bash", str(SCRIPT), "unpack"], env=env, capture_output=True, text=True)
+    unpacked = run(tmp_path, "unpack")
     assert unpacked.returncode == 1 and "checksum" in unpacked.stderr
     assert not dest.exists()
