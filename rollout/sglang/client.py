@@ -6,17 +6,24 @@ Request and response shapes follow `sglang/srt/managers/io_struct.py` and `token
 "completion_tokens", "weight_version" (a string), "output_token_logprobs": [[logprob, token_id, text|null]],
 "routed_experts" / "indexer_topk" (base64 int32)}}`. The weight-update endpoints answer `{"success", "message"}`.
 
-Errors are split in two: `ServerUnavailable` (connection refused or reset, 502/503/504: the request may be
-retried on another server) and `SGLangError` (the server answered and refused: retrying will not help).
+Errors are split in two: `ServerUnavailable` (connection refused or reset, no answer in time, 502/503/504: the
+request may be retried on another server) and `SGLangError` (the server answered and refused: retrying will not
+help).
+
+The transport is aiohttp, not httpx. A rollout worker keeps 100+ episodes waiting on requests at once, and at that
+concurrency httpx's connection pool spends CPU on every request in proportion to the requests in flight
+(encode/httpx#3215). bench/http_client.py: at 136 requests in flight, httpx 17 ms of client CPU a request (59 a
+second on one core), aiohttp 0.9 ms (docs/BENCHMARKS.md, with the GPU figures that point to it).
 """
 
 from __future__ import annotations
 
 import base64
+import json as jsonlib
 import logging
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 
 from rollout.types import GenerateResult, SamplingParams
@@ -38,6 +45,8 @@ class ServerUnavailable(SGLangError):
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router (smg 1.9): consistent hashing on this key
 ABORTED_STATUS = 499  # a request aborted while it waited behind /pause_generation
+MAX_CONNECTIONS = 1024  # per client: more than the requests a rollout worker or a sync has open at once
+CONNECT_TIMEOUT_S = 10.0
 
 
 def sampling_payload(sampling: SamplingParams) -> dict:
@@ -127,37 +136,43 @@ def parse_generate(body: dict, replay_top_k: dict[str, int] | None = None) -> Ge
 
 
 class SGLangClient:
-    """Async calls to one base URL. Create it inside the event loop that uses it (httpx pools are per loop)."""
+    """Async calls to one base URL over one aiohttp session, opened by the first call: every call must come from
+    the event loop of the first (a session is bound to its loop)."""
 
     def __init__(self, url: str, timeout_s: float = 900.0, headers: dict[str, str] | None = None):
         self.url = url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
-                                       timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self.timeout_s = timeout_s
+        self.headers = dict(headers or {})
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self.headers, connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS))
+        return self._session
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def request(self, method: str, path: str, json: Any = None, headers: dict | None = None,
                       timeout_s: float | None = None) -> Any:
-        kwargs: dict[str, Any] = {"json": json, "headers": headers}
-        if timeout_s is not None:
-            kwargs["timeout"] = timeout_s
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         try:
-            response = await self._http.request(method, path, **kwargs)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
-                httpx.PoolTimeout, httpx.ConnectTimeout) as exc:
+            async with self._http().request(method, self.url + path, json=json, headers=headers,
+                                            timeout=timeout) as response:
+                status, raw = response.status, await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:  # refused, reset, cut short, or no answer in time
             raise ServerUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         try:
-            body = response.json()
+            body = jsonlib.loads(raw)
         except ValueError:
-            body = response.text
-        if response.status_code in (502, 503, 504):
-            raise ServerUnavailable(f"{self.url}{path}: HTTP {response.status_code}: {str(body)[:300]}",
-                                    response.status_code, body)
-        if response.status_code >= 400:
-            raise SGLangError(f"{self.url}{path}: HTTP {response.status_code}: {str(body)[:500]}",
-                              response.status_code, body)
+            body = raw.decode(errors="replace")
+        if status in (502, 503, 504):
+            raise ServerUnavailable(f"{self.url}{path}: HTTP {status}: {str(body)[:300]}", status, body)
+        if status >= 400:
+            raise SGLangError(f"{self.url}{path}: HTTP {status}: {str(body)[:500]}", status, body)
         return body
 
     async def post(self, path: str, json: Any = None, **kwargs) -> Any:

@@ -90,7 +90,7 @@ class SGLangEngine:
         self.abort_wait_s = abort_wait_s
         self.weight_version = weight_version  # what the fleet serves; samples of other versions are not taken
         self.stats = EngineStats()
-        self._servers: dict[str, _Server] | None = None  # built in the running loop (httpx pools are per loop)
+        self._servers: dict[str, _Server] | None = None  # built in the running loop (a client session is bound to its loop)
         self._holder: dict[str, _Server] = {}  # request id → the server it is on (for abort)
         self._aborted_by_us: set[str] = set()  # in-flight request ids that abort() was asked to end
         self._inflight: set[str] = set()

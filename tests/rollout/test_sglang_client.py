@@ -194,3 +194,111 @@ def test_stop_signals_only_its_own_process_group(tmp_path):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+# ---- the transport: what each way a server can fail becomes --------------------------------------------
+async def _one_route_server(reply: bytes | None, close_early: bool = False):
+    """A real socket server whose every request gets `reply` (raw HTTP), or nothing (None: it never answers), or
+    half an answer and a closed connection."""
+    import asyncio
+
+    async def handle(reader, writer):
+        try:
+            header = await reader.readuntil(b"\r\n\r\n")
+            length = [int(line.split(b":")[1]) for line in header.split(b"\r\n") if line.lower().startswith(b"content-length")]
+            if length:
+                await reader.readexactly(length[0])
+            if reply is None:
+                await asyncio.sleep(60)
+            writer.write(reply[: len(reply) // 2] if close_early else reply)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def _http(status: str, body: bytes, content_type: str = "application/json") -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("reply, close_early, expected", [
+    (_http("503 Service Unavailable", b'{"error": "loading"}'), False, "unavailable"),
+    (_http("502 Bad Gateway", b"upstream gone", "text/plain"), False, "unavailable"),
+    (_http("400 Bad Request", b'{"error": {"message": "bad sampling_params"}}'), False, "refused"),
+    (_http("499 Client Closed Request", b'{"error": {"message": "Abort request r1"}}'), False, "aborted"),
+    (_http("200 OK", b"Cache flushed.\n", "text/plain"), False, "text"),
+    (_http("200 OK", b""), False, "empty"),
+    (_http("200 OK", b'{"success": true, "message": "' + b"x" * 4000 + b'"}'), True, "unavailable"),
+    (None, False, "unavailable"),  # no answer within the call's timeout
+])
+def test_each_way_a_server_fails_is_sorted_into_retry_elsewhere_or_refused(reply, close_early, expected):
+    """ServerUnavailable (retry on another server) for 502/503/504, a cut connection and no answer in time;
+    SGLangError with the status and the parsed body when the server answered and refused; a 499 on /generate is
+    the abort of a request queued behind a pause; a body that is not JSON comes back as text."""
+    import asyncio
+
+    from rollout.sglang.client import SGLangClient, ServerUnavailable
+
+    async def main():
+        server, url = await _one_route_server(reply, close_early)
+        client = SGLangClient(url, timeout_s=0.5)
+        try:
+            if expected == "aborted":
+                return await client.generate({"input_ids": [1, 2], "sampling_params": {}})
+            return await client.post("/flush_cache")
+        finally:
+            await client.close()
+            server.close()
+
+    if expected == "unavailable":
+        with pytest.raises(ServerUnavailable):
+            asyncio.run(main())
+    elif expected == "refused":
+        with pytest.raises(SGLangError) as info:
+            asyncio.run(main())
+        assert not isinstance(info.value, ServerUnavailable)
+        assert info.value.status == 400 and info.value.body == {"error": {"message": "bad sampling_params"}}
+    elif expected == "aborted":
+        result = asyncio.run(main())
+        assert result.finish_reason == "abort" and result.output_ids == []
+    else:
+        assert asyncio.run(main()) == {"text": "Cache flushed.\n", "empty": ""}[expected]
+
+
+def test_a_server_that_is_not_there_is_unavailable_and_the_client_recovers_when_it_comes():
+    """Connection refused → ServerUnavailable; the same client works once a server listens on the port (the
+    session survives the failure), and a closed client reopens on its next call."""
+    import asyncio
+    import socket
+
+    from rollout.sglang.client import SGLangClient, ServerUnavailable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=5)
+        with pytest.raises(ServerUnavailable):
+            await client.get("/health")
+
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(_http("200 OK", b'{"weight_version": "3"}'))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        try:
+            assert await client.weight_version() == 3
+            await client.close()
+            assert await client.weight_version() == 3
+        finally:
+            await client.close()
+            server.close()
+
+    asyncio.run(main())
