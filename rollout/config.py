@@ -126,11 +126,13 @@ class EngineConfig:
         """The fleet's settings, with the server flags the engine's options need.
 
         - `return_routed_experts` adds --enable-return-routed-experts.
-        - The decode CUDA graphs are captured only up to the batch the workers can fill (--cuda-graph-max-bs),
-          unless engine.sglang.args choose the graphs' sizes. On an H200 at tp < 4, SGLang 0.5.17 captures 36 batch
-          sizes up to 256 by default; a fleet fed by 64 episodes never batches more than 72 requests, and capture is
-          most of a server's start-up (docs/BENCHMARKS.md). A server of several gets no more than the fleet's
-          total, so this bound holds whatever the router does.
+        - The decode CUDA graphs are captured only up to the batch the workers can fill
+          (--cuda-graph-max-bs-decode; 0.5.17's deprecated --cuda-graph-max-bs is its alias), unless
+          engine.sglang.args choose the graphs' sizes. On an H200 at tp < 4, SGLang 0.5.17 captures 36 batch sizes
+          up to 256 by default; a fleet fed by 64 episodes never batches more than 72 requests. A server of several
+          gets no more than the fleet's total, so this bound holds whatever the router does. (Measured on an H100,
+          2026-12-05: 21 decode graphs in 4.8 s; the prefill graphs, 58 sizes up to 8,192 tokens, took 70 s of a
+          138-s start-up: docs/SGLANG.md.)
         """
         args = dict(self.sglang.args)
         if self.return_routed_experts:
@@ -139,7 +141,7 @@ class EngineConfig:
         if "max-running-requests" in given:  # the server batches no more than it lets run
             in_flight = min(in_flight, int(given["max-running-requests"]))
         if not chooses_cuda_graphs(args) and in_flight <= CUDA_GRAPH_DERIVED_MAX:
-            args["cuda-graph-max-bs"] = in_flight
+            args["cuda-graph-max-bs-decode"] = in_flight
         return dataclasses.replace(self.sglang, args=args)
 
 

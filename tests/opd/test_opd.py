@@ -115,7 +115,7 @@ def test_an_sglang_teacher_captures_no_decode_graph():
 
     engine = EngineConfig(type="sglang", max_concurrent_episodes=64, sglang=SGLangConfig(args={"tp": 1}))
     assert sglang_settings(engine.sglang)["args"] == {"tp": 1, "disable-decode-cuda-graph": True}
-    assert engine.server_config().args == {"tp": 1, "cuda-graph-max-bs": 72}
+    assert engine.server_config().args == {"tp": 1, "cuda-graph-max-bs-decode": 72}
     chosen = SGLangConfig(args={"cuda_graph_bs": [1, 2]})
     assert sglang_settings(chosen)["args"] == {"cuda_graph_bs": [1, 2]}
 

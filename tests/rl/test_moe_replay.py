@@ -181,7 +181,7 @@ def test_sglang_routing_reaches_the_trainer(glm52_path, glm52_policy, tmp_path):
     fake = [sys.executable, str(Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py")]
     cfg = EngineConfig(type="sglang", return_routed_experts=True,
                        sglang=SGLangConfig(launch_command=fake, router="off", startup_timeout_s=120))
-    assert cfg.server_config().args == {"enable-return-routed-experts": True, "cuda-graph-max-bs": 40}
+    assert cfg.server_config().args == {"enable-return-routed-experts": True, "cuda-graph-max-bs-decode": 40}
     fleet = SGLangFleet(cfg.server_config(), glm52_path, log_dir=str(tmp_path), use_ray=False)
     fleet.start()
     try:

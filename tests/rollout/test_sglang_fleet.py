@@ -50,18 +50,18 @@ def test_servers_capture_cuda_graphs_only_up_to_the_batch_the_workers_can_fill()
     """2 workers × (64 episodes + 8 spare calls) never batch more than 144 requests on any one server."""
     cfg = EngineConfig(type="sglang", num_workers=2, max_concurrent_episodes=64, sglang=SGLangConfig(args={"tp": 1}))
     args = cfg.server_config().args
-    assert args == {"tp": 1, "cuda-graph-max-bs": 144}
-    assert server_args(args)[-2:] == ["--cuda-graph-max-bs", "144"]
+    assert args == {"tp": 1, "cuda-graph-max-bs-decode": 144}
+    assert server_args(args)[-2:] == ["--cuda-graph-max-bs-decode", "144"]
     assert cfg.sglang.args == {"tp": 1}  # the run's own config is left as it was
     for chosen in ({"cuda_graph_max_bs": 8}, {"--cuda-graph-bs-decode": [1, 2]}, {"disable-cuda-graph": True}):
         cfg = EngineConfig(type="sglang", sglang=SGLangConfig(args=chosen))
         assert cfg.server_config().args == chosen  # the user's choice of graphs stands, in any spelling
     capped = EngineConfig(type="sglang", sglang=SGLangConfig(args={"max_running_requests": 24}))  # runs ≤ 24 at once
-    assert capped.server_config().args == {"max_running_requests": 24, "cuda-graph-max-bs": 24}
+    assert capped.server_config().args == {"max_running_requests": 24, "cuda-graph-max-bs-decode": 24}
     unset = EngineConfig(type="sglang", sglang=SGLangConfig(args={"disable-cuda-graph": False}))  # chooses nothing
-    assert unset.server_config().args == {"disable-cuda-graph": False, "cuda-graph-max-bs": 40}
+    assert unset.server_config().args == {"disable-cuda-graph": False, "cuda-graph-max-bs-decode": 40}
     big = EngineConfig(type="sglang", num_workers=8, max_concurrent_episodes=64)  # 576 in flight: SGLang's default
-    assert "cuda-graph-max-bs" not in big.server_config().args
+    assert "cuda-graph-max-bs-decode" not in big.server_config().args
 
 
 def test_a_server_that_cannot_start_reports_its_log(tmp_path):
