@@ -55,7 +55,8 @@ fetch)
   for i in $(seq "$FIRST" $((FIRST + PER_CALL - 1))); do
     f=$(printf '%s/hf.tar.part%02d' "$PACKED" "$i"); [ ! -f "$f" ] || cp "$f" "$OUT/"
   done
-  echo "hf_carry: parts $FIRST-$((FIRST + PER_CALL - 1)) of $(cat "$PACKED/NPARTS") in \$OUT"
+  n=$(cat "$PACKED/NPARTS") last=$((FIRST + PER_CALL - 1)); [ "$last" -lt "$n" ] || last=$((n - 1))
+  echo "hf_carry: parts $FIRST-$last of $n (numbered from 0) in \$OUT"
   ;;
 stage)
   FROM=$1 REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
@@ -72,6 +73,7 @@ stage)
   for f in $(in_order "$FROM"); do
     i=$((10#${f##*part})); mkdir -p "$CARRY/hf$((i / PER_CALL))"; cp "$f" "$CARRY/hf$((i / PER_CALL))/"
   done
+  chmod -R u+w "$CARRY"/hf[0-9]*  # the device tool hands its files over read-only; a later stage overwrites them
   have=$(in_order "$CARRY"/hf[0-9]* | wc -l) n=$(cat "$CARRY/hf0/NPARTS")
   if [ "$have" -lt "$n" ]; then echo "hf_carry: $have of $n parts staged"; exit 0; fi
   if [ "$(checksum "$CARRY"/hf[0-9]*)" != "$(cat "$CARRY/hf0/SHA256")" ]; then

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ def test_an_hf_folder_travels_in_parts_and_arrives_in_bf16(tiny_path, tmp_path):
         back.mkdir()
         carry(tmp_path, "fetch", str(first), out=back)
         assert len(list(back.iterdir())) <= 8  # a call brings back at most 8 files
+        for f in back.iterdir():
+            f.chmod(0o444)  # as the device tool hands them over
         fetched.append(back)
     for i, back in enumerate(fetched):
         said = carry(tmp_path, "stage", str(back))
@@ -54,6 +57,7 @@ def test_an_hf_folder_travels_in_parts_and_arrives_in_bf16(tiny_path, tmp_path):
             assert len(list((tmp_path / "carry" / "hf0").glob("hf.tar.part*"))) == 4
     folders = sorted(p.name for p in (tmp_path / "carry").iterdir())
     assert folders == [f"hf{k}" for k in range(len(fetched))]  # one folder a call
+    assert all(f.stat().st_mode & stat.S_IWUSR for f in (tmp_path / "carry").rglob("*"))  # a later stage can overwrite
     # the GPU machine: each call brings one more folder, and a warm machine still has the earlier ones (and the
     # parts gathered from them); the last one completes it, and later calls find it done
     machine = tmp_path / "machine" / ".carry"
