@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout.sglang.client import SGLangClient, parse_generate  # noqa: E402
+from rollout.sglang.server import free_port  # noqa: E402
 
 
 def answer_body(output_tokens: int) -> bytes:
@@ -64,12 +64,6 @@ def serve(port: int, delay_s: float, output_tokens: int, ready) -> None:
         await server.serve_forever()
 
     asyncio.run(main())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def drive(post, in_flight: int, seconds: float, payload: dict) -> tuple[float, float]:

@@ -141,8 +141,8 @@ class SGLangClient:
 
     def __init__(self, url: str, timeout_s: float = 900.0, headers: dict[str, str] | None = None):
         self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
         self.headers = dict(headers or {})
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -158,7 +158,8 @@ class SGLangClient:
 
     async def request(self, method: str, path: str, json: Any = None, headers: dict | None = None,
                       timeout_s: float | None = None) -> Any:
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=CONNECT_TIMEOUT_S)
+        timeout = self._timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s,
+                                                                               sock_connect=CONNECT_TIMEOUT_S)
         try:
             async with self._http().request(method, self.url + path, json=json, headers=headers,
                                             timeout=timeout) as response:

@@ -273,13 +273,10 @@ def test_a_server_that_is_not_there_is_unavailable_and_the_client_recovers_when_
     """Connection refused → ServerUnavailable; the same client works once a server listens on the port (the
     session survives the failure), and a closed client reopens on its next call."""
     import asyncio
-    import socket
-
     from rollout.sglang.client import SGLangClient, ServerUnavailable
+    from rollout.sglang.server import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
 
     async def main():
         client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=5)
