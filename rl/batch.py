@@ -47,7 +47,8 @@ def to_samples(trajectories: list[Trajectory]) -> list[dict]:
                       "token_ids": torch.tensor(s.token_ids, dtype=torch.long),
                       "loss_mask": torch.tensor(s.loss_mask, dtype=torch.float32),
                       "rollout_logprobs": torch.tensor(s.rollout_logprobs, dtype=torch.float32),
-                      "weight_versions": torch.tensor(s.weight_versions, dtype=torch.long)}
+                      "weight_versions": torch.tensor(s.weight_versions, dtype=torch.long),
+                      "step_rewards": list(s.step_rewards)}
             if routing_shape is not None:
                 routing = (s.replay or {}).get("routed_experts")
                 sample["routed_experts"] = (torch.from_numpy(np.array(routing, dtype=np.int16)) if routing is not None
@@ -112,7 +113,7 @@ def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: Al
     `ref_logprobs` when the KL is in the reward), as float32 tensors. Returns metrics about the advantages."""
     by_traj = _by_trajectory(samples)
     rows_v, rows_r, spans = [], [], []
-    kl_total, kl_tokens = 0.0, 0
+    kl_total, kl_tokens, step_total = 0.0, 0, 0.0
     # one GAE row per trajectory (its segments chained), or per segment (algorithm.chain_segments=false)
     chains = [(ti, segs) for ti, segs in by_traj.items()] if algo.chain_segments else \
         [(ti, [s]) for ti, segs in by_traj.items() for s in segs]
@@ -129,6 +130,11 @@ def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: Al
                 kl_tokens += len(idx)
             else:
                 rewards.append(torch.zeros(len(idx), dtype=torch.float64))
+            for position, value in s.get("step_rewards", ()):
+                # on the last action token at or before its position (a reply masked after the guard blocked its
+                # call has none of its own); on the segment's first action if nothing trainable comes before
+                rewards[-1][max(int(torch.searchsorted(idx, position, right=True)) - 1, 0)] += value
+                step_total += value
             span.append((s, idx))
         v, r = torch.cat(values), torch.cat(rewards)
         r[-1] += trajectories[ti].reward  # terminal reward on the trajectory's last action token
@@ -163,6 +169,8 @@ def add_advantages(samples: list[dict], trajectories: list[Trajectory], algo: Al
                "adv/mean_value": float(V[M].mean())}
     if kl_tokens:
         metrics["adv/kl_in_reward"] = kl_total / kl_tokens
+    if step_total:
+        metrics["adv/step_reward_per_episode"] = step_total / len(by_traj)
     return metrics
 
 

@@ -253,6 +253,7 @@ class AgentEpisode:
                          ToolCall("submit", {})]
         if parsed.errors:
             self.traj.num_malformed_calls += len(parsed.errors)
+            self.ledger.reward_last_output(self.cfg.malformed_call_reward * len(parsed.errors))
         if not calls:
             hint = ("Error: " + "; ".join(parsed.errors)) if parsed.errors else (
                 "No tool call found. Call a tool to act, or submit when you are done.")

@@ -191,6 +191,10 @@ class AgentConfig:
     # agent reads what it needs (long-horizon repository tasks).
     files_in_prompt_chars: int = 3000
     train_blocked_tokens: str = "keep"  # keep | mask: loss mask of a turn whose call the guard blocked
+    # Reward for each tool call the parser could not read (≤ 0: a penalty), on the last token of the reply that
+    # made it, so that GAE credits the reply that broke the protocol rather than the episode's end. 0: none (the
+    # turn it wasted is the only cost). The graded reward still comes at the episode's end.
+    malformed_call_reward: float = 0.0
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
 
     def validate(self) -> None:
@@ -209,3 +213,6 @@ class AgentConfig:
             raise ValueError("agent.max_turns and agent.max_new_tokens must be >= 1")
         if self.train_blocked_tokens not in ("keep", "mask"):
             raise ValueError(f"agent.train_blocked_tokens must be 'keep' or 'mask', got {self.train_blocked_tokens!r}")
+        if self.malformed_call_reward > 0:
+            raise ValueError(f"agent.malformed_call_reward={self.malformed_call_reward} would pay for malformed tool "
+                             "calls: use 0 (off) or a negative penalty such as -0.05")

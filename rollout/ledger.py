@@ -25,6 +25,7 @@ class TokenLedger:
     # the indexer rows under the engine's margin (sparse), each position's from the first generation that ran it
     indexer_rows: dict | None = None
     _indexer_ran: int = 0  # positions some generation has run
+    step_rewards: list[tuple[int, float]] = field(default_factory=list)  # (position, reward) before the end
     _last_output: tuple[int, int] | None = None  # [start, end) of the latest sampled output
 
     def __len__(self) -> int:
@@ -83,6 +84,7 @@ class TokenLedger:
 
     def clear(self) -> None:
         self.ids, self.mask, self.logprobs, self.versions, self._last_output = [], [], [], [], None
+        self.step_rewards = []
         self.routing = None
         self.indexer_rows, self._indexer_ran = None, 0
 
@@ -90,6 +92,11 @@ class TokenLedger:
         if self._last_output:
             start, end = self._last_output
             self.mask[start:end] = [0] * (end - start)
+
+    def reward_last_output(self, reward: float) -> None:
+        """A reward (a penalty when negative) for the latest sampled output, on its last token."""
+        if self._last_output and reward:
+            self.step_rewards.append((self._last_output[1] - 1, float(reward)))
 
     def routed_experts(self) -> np.ndarray | None:
         """[len, layers, k] int16 aligned with `ids`: −1 where no generation ran the position (the tokens after
@@ -107,4 +114,4 @@ class TokenLedger:
         if self.indexer_rows is not None:
             replay["indexer_replay"] = self.indexer_rows
         return Segment(rollout_id, index, list(self.ids), list(self.mask), list(self.logprobs), segment_type,
-                       list(self.versions), replay or None)
+                       list(self.versions), replay or None, list(self.step_rewards))

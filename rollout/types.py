@@ -58,6 +58,9 @@ class Segment:
     # engine routed each position to, −1 where it ran none (the segment's tail after its last sampled token);
     # "indexer_replay": the indexer rows whose choice could differ, sparse (rollout/indexer_replay.py)
     replay: dict[str, Any] | None = None
+    # Rewards before the episode's end (agent.malformed_call_reward): (position in token_ids, reward), each on the
+    # last token of the reply it judges; the trajectory's graded reward comes at its end, as always
+    step_rewards: list[tuple[int, float]] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.token_ids)
@@ -75,6 +78,9 @@ class Segment:
             elif len(value) != n:
                 raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: replay {key!r} covers "
                                  f"{len(value)} positions for {n} tokens")
+        if any(not 0 <= position < n for position, _ in self.step_rewards):
+            raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: step rewards at positions "
+                             f"{[p for p, _ in self.step_rewards]} for {n} tokens")
 
     @property
     def num_action_tokens(self) -> int:

@@ -93,3 +93,35 @@ def test_per_segment_advantages_treat_each_segment_as_an_episode_ending_in_the_r
         s["values"] = v
     add_advantages(chained, [traj], AlgorithmConfig(gamma=0.95, lam_policy=0.8, normalize_advantages=False))
     assert chained[0]["advantages"].tolist() != pytest.approx(samples[0]["advantages"].tolist(), abs=1e-3)
+
+
+def test_step_rewards_sit_on_their_reply_and_reach_only_the_tokens_before():
+    """A malformed-call penalty on the last token of the reply that made it (γ = λ = 1, V = 0): each action
+    token's advantage is the sum of the rewards at or after it, the terminal reward included."""
+    s0, _ = seg("r", 0, [0, 1, 1, 0, 1, 1, 0], [0.0] * 7)
+    s0.step_rewards = [(2, -0.1)]  # the first reply (positions 1-2)
+    s1, _ = seg("r", 1, [0, 1, 1], [0.0] * 3)
+    s1.step_rewards = [(2, -0.05)]
+    traj = Trajectory("r", "task", [s0, s1], reward=1.0, finish_reason="submitted")
+    samples = to_samples([traj])
+    for s in samples:
+        s["values"] = [0.0] * len(s["token_ids"])
+    m = add_advantages(samples, [traj], AlgorithmConfig(normalize_advantages=False))
+    adv = [round(float(a), 6) for s in samples for a, k in zip(s["advantages"], s["loss_mask"]) if k]
+    assert adv == pytest.approx([0.85, 0.85, 0.95, 0.95, 0.95, 0.95])
+    assert m["adv/step_reward_per_episode"] == pytest.approx(-0.15)
+
+
+def test_a_step_reward_on_a_masked_reply_moves_to_the_action_before_it():
+    s0, _ = seg("r", 0, [0, 1, 1, 0, 0, 0, 1], [0.0] * 7)
+    s0.step_rewards = [(5, -0.2)]  # a reply at 4-5 whose loss mask the guard cleared
+    traj = Trajectory("r", "task", [s0], reward=0.0, finish_reason="submitted")
+    samples = to_samples([traj])
+    samples[0]["values"] = [0.0] * 7
+    add_advantages(samples, [traj], AlgorithmConfig(normalize_advantages=False))
+    assert samples[0]["advantages"][[1, 2, 6]].tolist() == pytest.approx([-0.2, -0.2, 0.0])
+
+
+def test_step_rewards_must_point_into_the_segment():
+    with pytest.raises(ValueError, match="step rewards at positions"):
+        Segment("r", 0, [1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.1], step_rewards=[(3, -0.1)])

@@ -3,6 +3,8 @@
 import asyncio
 import json
 
+import pytest
+
 from antihack import Guard
 from environments import TOOL_SPECS
 from rollout.agent import AgentEpisode, EpisodeRuntime
@@ -79,6 +81,26 @@ def test_malformed_calls_get_error_observations(tokenizer, task_by_id):
     observed = text_of(tokenizer, traj.segments[0], 0)
     assert "invalid JSON" in observed and "unknown tool 'no_such_tool'" in observed
     assert "missing argument(s) content" in observed and "No tool call found" in observed
+    assert traj.segments[0].step_rewards == []  # no penalty unless agent.malformed_call_reward asks for one
+
+
+def test_a_malformed_call_penalty_sits_on_the_last_token_of_its_reply(tokenizer, task_by_id):
+    broken = '<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>'
+    traj, _ = episode(tokenizer, task_by_id["add_two_numbers"], [call("bash", command="ls"), broken, call("submit")],
+                      malformed_call_reward=-0.05)
+    seg = traj.segments[0]
+    assert traj.num_malformed_calls == 1 and len(seg.step_rewards) == 1
+    position, reward = seg.step_rewards[0]
+    assert reward == -0.05 and seg.loss_mask[position] == 1 and seg.loss_mask[position + 1] == 0
+    mask = seg.loss_mask
+    reply_ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
+    assert position == reply_ends[1]  # the second reply's last token (its <|im_end|>)
+    assert tokenizer.decode(seg.token_ids[position]) == "<|im_end|>"
+
+
+def test_a_positive_malformed_call_reward_is_refused():
+    with pytest.raises(ValueError, match="malformed_call_reward"):
+        AgentConfig(malformed_call_reward=0.1).validate()
 
 
 def test_blocked_call_is_not_executed(tokenizer, task_by_id):
