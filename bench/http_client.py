@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.tiny import SMOLLM2_SHAPE  # noqa: E402
 from rollout.sglang.client import SGLangClient, parse_generate  # noqa: E402
 from rollout.sglang.server import free_port  # noqa: E402
 
@@ -75,13 +76,6 @@ def serve(port: int, delay_s: float, output_tokens: int, ready) -> None:
         await server.serve_forever()
 
     asyncio.run(main())
-
-
-# The default policy's shape (SmolLM2-135M-Instruct), for a random-weight stand-in of it on a real server.
-SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                 "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
-                 "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "bos_token_id": 1,
-                 "eos_token_id": 2}
 
 
 def write_random_policy(folder: Path) -> None:
@@ -183,14 +177,14 @@ def main() -> None:
                                                                       ready), daemon=True)
         server.start()
         ready.wait(30)
-        url = f"http://127.0.0.1:{port}"
+        url, stop_server = f"http://127.0.0.1:{port}", server.terminate
         payloads = [{"input_ids": list(range(args.prompt_tokens)), "return_logprob": True,
                      "sampling_params": sampling}]
         print(f"{args.prompt_tokens}-token prompts, {args.output_tokens}-token answers after {args.delay_ms:.0f} ms "
               f"(at most {1000 / args.delay_ms:.0f} requests/s per request in flight)")
     else:
         server = start_sglang(args.sglang_model, max(args.concurrency), args.prompt_tokens + args.output_tokens + 64)
-        url = server.url
+        url, stop_server = server.url, server.stop
         rng = random.Random(0)
         payloads = [{"input_ids": [rng.randrange(3, SMOLLM2_SHAPE["vocab_size"]) for _ in range(args.prompt_tokens)],
                      "return_logprob": True, "sampling_params": {**sampling, "ignore_eos": True}}
@@ -208,10 +202,7 @@ def main() -> None:
         rows.append({"in_flight": n, "aiohttp": fast, "httpx": peer})
         print(f"{n:>9} | {fast[0]:>13.0f} {fast[1]:>10.2f} {fast[2]:>7.0f} | {peer[0]:>11.0f} {peer[1]:>10.2f} "
               f"{peer[2]:>7.0f} | {fast[0] / peer[0]:>10.1f}x {peer[1] / fast[1]:>8.1f}x", flush=True)
-    if args.sglang_model is None:
-        server.terminate()
-    else:
-        server.stop()
+    stop_server()
     print(json.dumps(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

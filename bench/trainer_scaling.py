@@ -54,12 +54,6 @@ def samples(n: int, seed: int = 0, lengths: tuple[int, int] = (48, 320)) -> list
     return out
 
 
-# SmolLM2-135M's shape (the default policy), for hosts without its weights: speed does not depend on them.
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-                     tie_word_embeddings=True)
-
-
 def glm52_1b_shape() -> dict:
     """A GLM-5.2-architecture model of 1.3B parameters: the smallest layout SGLang's GLM-5.2 kernels serve (MLA with
     the real head sizes, the DSA indexer at top-2,048 with IndexShare, MTP) at 16 layers and 64 routed experts, with
@@ -87,6 +81,8 @@ def model_path(name: str) -> str:
     torch.manual_seed(0)
     if name == "smollm2-shape":
         from transformers import LlamaConfig, LlamaForCausalLM
+
+        from models.tiny import SMOLLM2_SHAPE
 
         model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE))
     else:

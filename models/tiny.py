@@ -25,6 +25,12 @@ TINY_CONFIG = dict(
     tie_word_embeddings=True,
 )
 
+# The default policy's shape (SmolLM2-135M-Instruct), for random-weight stand-ins of it where its weights are not
+# needed (the benches on hosts without them: speed does not depend on the weights)
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                     tie_word_embeddings=True)
+
 
 def tiny_model_dir(name: str = TINY) -> Path:
     def build(tokenizer, seed: int):
