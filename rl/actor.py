@@ -59,7 +59,9 @@ class ActorWorker(DeepSpeedWorker):
 
     def __init__(self, model_path: str, optim: OptimConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  dtype: str = "float32", seed: int = 0, torch_threads: int = 0, dist: DistEnv | None = None,
-                 model_overrides: dict | None = None):
+                 model_overrides: dict | None = None, reference_path: str | None = None):
+        """`reference_path`: the frozen π_ref's weights when they are not `model_path`'s (a run resumed from a
+        checkpoint's weights keeps its original reference, rl.train.model_sources)."""
         self.model_path = model_path
         self.algo = algo
         # The engine sampled from softmax(logits / T); π_old and π_θ must be the same function (greedy: T = 1).
@@ -70,7 +72,7 @@ class ActorWorker(DeepSpeedWorker):
         self.reference = None
         if needs_reference(algo):
             # on the host first: under expert parallelism only this rank's experts then go to the device
-            self.reference = self.shard_experts(load_model(model_path, "policy", dtype=dtype,
+            self.reference = self.shard_experts(load_model(reference_path or model_path, "policy", dtype=dtype,
                                                            expert_shard=expert_shard(dist, optim),
                                                            overrides=model_overrides))
             self.reference.to(self.device).eval()

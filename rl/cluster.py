@@ -75,25 +75,27 @@ def _optim(t) -> dict:
 
 
 def actor_group(cfg: Config, policy: str, learning_rate: float | None = None,
-                algorithm: AlgorithmConfig | None = None) -> TrainerGroup:
+                algorithm: AlgorithmConfig | None = None, reference: str | None = None) -> TrainerGroup:
     """The policy's trainer group (trainer.actor_ranks DeepSpeed ranks on a placement group); rl.sft makes one
-    with its own learning rate and no reference."""
+    with its own learning rate and no reference. `reference`: where π_ref loads from (default: `policy`)."""
     t = cfg.trainer
     optim = OptimConfig(learning_rate=t.learning_rate if learning_rate is None else learning_rate,
                         expert_parallel=t.expert_parallel, **_optim(t))
     return TrainerGroup(ActorWorker, t.actor_ranks, t.actor_gpus, "actor", policy, optim,
                         cfg.algorithm if algorithm is None else algorithm, temperature=cfg.engine.temperature,
                         dtype=cfg.model.dtype, seed=cfg.seed, torch_threads=t.torch_threads or 0,
-                        sequence_parallel=t.sequence_parallel, model_overrides=dict(cfg.model.trainer_overrides))
+                        sequence_parallel=t.sequence_parallel, model_overrides=dict(cfg.model.trainer_overrides),
+                        reference_path=reference)
 
 
-def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "") -> Workers:
+def start_workers(cfg: Config, policy: str, critic: str | None, run_dir: str = "",
+                  reference: str | None = None) -> Workers:
     t = cfg.trainer
     fleet = None
     if cfg.engine.type == "sglang":  # first: the servers take minutes to load, and their GPUs come first
         fleet = SGLangFleet(cfg.engine.server_config(), policy, log_dir=f"{run_dir}/sglang" if run_dir else None)
         fleet.start()
-    actor = actor_group(cfg, policy)
+    actor = actor_group(cfg, policy, reference=reference)
     critic_worker = None
     if critic is not None:  # pure on-policy distillation trains no critic
         critic_worker = TrainerGroup(CriticWorker, t.critic_ranks, t.critic_gpus, "critic",

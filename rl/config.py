@@ -120,6 +120,10 @@ class TrainerConfig:
     eval_samples: int = 1  # episodes per held-out task; > 1 (with engine.eval_temperature > 0) averages pass@1
     save_every: int = 1
     keep_checkpoints: int = 2
+    # resume=true from a checkpoint whose optimizer state (actor/state, critic/state) is gone, e.g. dropped to carry
+    # it between machines: the models start from its HF weights with fresh Adam moments (the reference stays
+    # model.name). Off: such a checkpoint is refused, since the resume would not be exact.
+    resume_weights_only: bool = False
     weight_sync_bucket_mb: int = 64
     verify_weight_sync: bool = False  # compare every engine's weights with the trainer's after each sync
     torch_threads: int = 0  # 0: every core

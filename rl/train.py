@@ -102,6 +102,25 @@ def evaluate_all(cfg: Config, workers: Workers, eval_tasks, extra_tasks, step: i
     return m
 
 
+def model_sources(cfg: Config, resume_from) -> tuple[str, str, str]:
+    """The folders the policy, the critic and the reference load from: model.name (model.critic), or, resuming
+    from a checkpoint without its optimizer state (trainer.resume_weights_only), that checkpoint's HF weights for
+    the two trained models while the reference stays model.name."""
+    policy = str(resolve_model_path(cfg.model.name))
+    critic = str(resolve_model_path(cfg.model.critic or cfg.model.name))
+    if resume_from is None or (resume_from / "actor" / "state").exists():
+        return policy, critic, policy
+    missing = [str(resume_from / m / "hf") for m in ("actor", "critic") if not (resume_from / m / "hf").is_dir()]
+    if missing:
+        raise ValueError(f"checkpoint {resume_from} has no optimizer state and no HF weights in {missing}: "
+                         "nothing to resume from")
+    if not cfg.trainer.resume_weights_only:
+        raise ValueError(f"checkpoint {resume_from} has no optimizer state (actor/state): resuming from its HF "
+                         "weights restarts Adam's moments, so the run would not continue exactly; pass "
+                         "trainer.resume_weights_only=true to accept that")
+    return str(resume_from / "actor" / "hf"), str(resume_from / "critic" / "hf"), policy
+
+
 def train(cfg: Config) -> dict:
     validate(cfg)
     check_sandbox(cfg.env.sandbox)
@@ -115,20 +134,22 @@ def train(cfg: Config) -> dict:
     extra_tasks = load_tasks(cfg.env.extra_eval_tasks).tasks if cfg.env.extra_eval_tasks else []
     sampler = TaskSampler(train_tasks, cfg.seed)
     t = cfg.trainer
-    policy = str(resolve_model_path(cfg.model.name))
-    critic = str(resolve_model_path(cfg.model.critic or cfg.model.name))
+    policy, critic, reference = model_sources(cfg, resume_from)
     log.info("run %s: %d train / %d held-out tasks, policy %s", run_dir, len(train_tasks), len(eval_tasks), policy)
 
     started = time.perf_counter()
     start_ray(cfg)
-    workers = start_workers(cfg, policy, critic, str(run_dir))
+    workers = start_workers(cfg, policy, critic, str(run_dir), reference=reference)
     if workers.fleet is not None:  # a dead server is restarted and gets the current weights again
         workers.fleet.start_monitor(lambda urls: workers.sync.push(workers.weight_version, urls=urls, fresh=True))
     start, state = 0, None
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)
-        workers.actor.load(str(resume_from / "actor"))
-        workers.critic.load(str(resume_from / "critic"))
+        if not (resume_from / "actor" / "state").exists():  # weights only: the workers loaded them (model_sources)
+            log.warning("resuming from %s without its optimizer state: Adam's moments start at zero", resume_from)
+        else:
+            workers.actor.load(str(resume_from / "actor"))
+            workers.critic.load(str(resume_from / "critic"))
         start = state["step"]
         workers.sync.push(state.get("weight_version", start))
         log.info("resumed from %s at step %d", resume_from, start)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,11 +138,19 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
         assert json.loads((run / "summary.json").read_text())["stopped_early_at_step"] == 2
         assert (run / "checkpoints" / "step_000002" / "trainer_state.json").exists()
     # The rest under time_limit_action=finish with a limit already past: the first step after the resume is made
-    # the last one (final evaluation included) instead of stopping for another resume.
-    done = subprocess.run(args + ["resume=true", "trainer.steps=5", "trainer.time_limit_s=1",
-                                  "trainer.time_limit_action=finish"], capture_output=True, text=True, timeout=900)
+    # the last one (final evaluation included) instead of stopping for another resume. It resumes from the
+    # checkpoint's weights alone (its optimizer state dropped, as a checkpoint carried between machines is),
+    # which is refused unless trainer.resume_weights_only=true says so.
+    latest = Checkpointer(run).latest()
+    for model in ("actor", "critic"):
+        shutil.rmtree(latest / model / "state")
+    finish = ["resume=true", "trainer.steps=5", "trainer.time_limit_s=1", "trainer.time_limit_action=finish"]
+    refused = subprocess.run(args + finish, capture_output=True, text=True, timeout=900)
+    assert refused.returncode != 0 and "trainer.resume_weights_only=true" in refused.stdout + refused.stderr
+    done = subprocess.run(args + finish + ["trainer.resume_weights_only=true"], capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "resumed from" in done.stdout + done.stderr
+    assert "resumed from" in done.stdout + done.stderr and "without its optimizer state" in done.stdout + done.stderr
     last = 3 if killed_at == 1 else 4  # killed at 2, the limited run ran step 3, the last of its 3, to the end
     assert json.loads((run / "summary.json").read_text())["finished_early_at_step"] == last
     records = read_metrics(run / "metrics.jsonl")

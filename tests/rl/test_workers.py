@@ -172,6 +172,47 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(tiny_path, tmp_path
                     temperature=1.0)
 
 
+def test_resume_from_weights_only_trains_on_and_keeps_the_reference(tiny_path, tmp_path):
+    """A checkpoint whose optimizer state was dropped (carried between machines without it) resumes only under
+    trainer.resume_weights_only: the trained models load its HF weights, π_ref stays model.name's."""
+    import shutil
+
+    from rl.config import Config
+    from rl.train import model_sources
+
+    trained = ActorWorker(tiny_path, OptimConfig(learning_rate=1e-2, micro_batch_tokens=80), AlgorithmConfig(),
+                          temperature=1.0)
+    samples = batch()
+    before = trained.compute_logprobs(samples, True, False)["old_logprobs"]
+    for s, old in zip(samples, split_per_sample(samples, before)):
+        s.update(old_logprobs=old, rollout_logprobs=old.clone(), advantages=list(s["loss_mask"]))
+    trained.train_step(samples)
+    ckpt = tmp_path / "step_000001"
+    trained.save(str(ckpt / "actor"))
+    CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3), value_clip=None).save(str(ckpt / "critic"))
+    cfg = Config()
+    cfg.model.name = tiny_path
+    assert model_sources(cfg, None) == (tiny_path, tiny_path, tiny_path)
+    assert model_sources(cfg, ckpt) == (tiny_path, tiny_path, tiny_path)  # exact resume: the states load later
+    for model in ("actor", "critic"):
+        shutil.rmtree(ckpt / model / "state")
+    with pytest.raises(ValueError, match="trainer.resume_weights_only=true"):
+        model_sources(cfg, ckpt)
+    cfg.trainer.resume_weights_only = True
+    policy, critic, reference = model_sources(cfg, ckpt)
+    assert (policy, critic, reference) == (str(ckpt / "actor" / "hf"), str(ckpt / "critic" / "hf"), tiny_path)
+    resumed = ActorWorker(policy, OptimConfig(learning_rate=1e-2, micro_batch_tokens=80), AlgorithmConfig(),
+                          temperature=1.0, reference_path=reference)
+    now = resumed.compute_logprobs(samples)
+    base = ActorWorker(tiny_path, OptimConfig(), AlgorithmConfig(use_reference=False), temperature=1.0)
+    torch.testing.assert_close(now["old_logprobs"], trained.compute_logprobs(samples, True, False)["old_logprobs"])
+    torch.testing.assert_close(now["ref_logprobs"], base.compute_logprobs(samples, True, False)["old_logprobs"])
+    assert (now["old_logprobs"] - now["ref_logprobs"]).abs().max() > 1e-3  # the update moved it off π_ref
+    shutil.rmtree(ckpt / "critic" / "hf")
+    with pytest.raises(ValueError, match="no HF weights"):
+        model_sources(cfg, ckpt)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_train_and_export(tiny_path, tmp_path, stage):
     """(with the value head at a rate of its own: ZeRO partitions both groups, a resume sets each group's rate)"""
