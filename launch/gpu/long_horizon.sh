@@ -13,13 +13,18 @@
 # each run (and the SFT) gets SHARED_ARGS first (overrides after TIME_S still win): micro-batches of 8,192
 # positions (at 32,768 a trainer process held about 52 GB) and 8% of the free memory for each SGLang server (plenty
 # for the 135M policy; docs/SGLANG.md, "Several servers on one GPU"). A fresh SFT checkpoint is packed for the next
-# session (launch/gpu/hf_carry.sh); one carried in from an earlier session is used instead of a new SFT.
+# session (launch/gpu/hf_carry.sh); one carried in from an earlier session is used instead of a new SFT. One run
+# (no RUNS) goes on over sessions: its final checkpoint is packed at the end (HF_CARRY_NAME=ckpt, its two models
+# as differences from the SFT checkpoint), and where an earlier session's arrived (setup.sh unpacks it into the
+# run's checkpoints/), the run resumes from it (resume=true trainer.resume_weights_only=true) up to trainer.steps.
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1; shift
 ROOT=/tmp/rl-out/lh RESULTS=${RESULTS:-/tmp/rl-out/lh/results}
 EXPERIMENT=${EXPERIMENT:-long_horizon_gpu}
 RUNS=${RUNS:-$EXPERIMENT|}
+# seconds kept for packing the final checkpoint (one run only); PACK_S=0 packs nothing
+PACK_S=${PACK_S:-$([ "$(grep -c . <<<"$RUNS")" = 1 ] && echo 60 || echo 0)}
 shared_gpu_args 8192 0.08
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
@@ -43,8 +48,21 @@ if [ ! -f "$SFT/hf/config.json" ]; then
 else  # an earlier session's checkpoint (launch/gpu/hf_carry.sh, unpacked by setup.sh) or this machine's own
   echo "long_horizon: SFT checkpoint found in $SFT/hf, no SFT this time: $(tr '\n' ' ' <"$SFT/hf/CARRY.txt" 2>/dev/null)"
 fi
-left=$((TIME_S - (SECONDS - started)))
+RESUME_ARGS=()
+if [ "$(grep -c . <<<"$RUNS")" = 1 ] && ls "$ROOT/${RUNS%%|*}"/checkpoints/step_*/trainer_state.json >/dev/null 2>&1; then
+  RESUME_ARGS=(resume=true trainer.resume_weights_only=true)  # an earlier session's checkpoint (hf_carry.sh)
+  echo "long_horizon: resuming ${RUNS%%|*} from $(ls -d "$ROOT/${RUNS%%|*}"/checkpoints/step_* | tail -1)"
+fi
+left=$((TIME_S - (SECONDS - started) - PACK_S))
 echo "long_horizon: SFT done after $((SECONDS - started)) s; PPO gets $left s"
 start_runs python3 -m rl.train +experiment="$EXPERIMENT" model.name="$SFT/hf" output_dir="$ROOT" \
-  "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@"
+  "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" "${RESUME_ARGS[@]}" trainer.time_limit_s="$left" \
+  trainer.time_limit_action=finish "$@"
 wait_runs long_horizon collect_run
+rc=$?
+if [ "$PACK_S" -gt 0 ]; then  # the final checkpoint for the next session (`HF_CARRY_NAME=ckpt hf_carry.sh fetch`)
+  last=$(ls -d "$ROOT/${RUNS%%|*}"/checkpoints/step_* 2>/dev/null | tail -1)
+  [ -z "$last" ] || HF_CARRY_NAME=ckpt HF_CARRY_BASE="$SFT/hf" bash launch/gpu/hf_carry.sh pack "$last" "$last" \
+    2>&1 | tee "$RESULTS/ckpt_carry.log"
+fi
+exit $rc

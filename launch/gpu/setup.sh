@@ -34,6 +34,9 @@ fi
 # An HF folder an earlier session kept (the SFT checkpoint: .carry/hf0, hf1, ..., one a call), unpacked where it
 # was made once every part has arrived.
 bash launch/gpu/hf_carry.sh unpack || true
+# A PPO checkpoint an earlier session kept (.carry/ckpt0, ckpt1, ...), unpacked into its run's checkpoints/ once
+# every part and its base (the SFT's folder, above) are here.
+HF_CARRY_NAME=ckpt bash launch/gpu/hf_carry.sh unpack || true
 echo "setup: sglang $([ -f $SGL/.unpacked ] && echo ready || echo "parts: $(ls /tmp/rl-sgl-parts | tr '\n' ' ')")"
 echo "setup: stack $([ -f $STACK/.unpacked ] && echo ready || echo missing)," \
      "policy $([ -f $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf ] && echo ready || echo "parts: $(ls /tmp/rl-gguf | tr '\n' ' ')")"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -97,3 +98,66 @@ def test_a_damaged_part_is_refused_and_unpacks_nothing(tiny_path, tmp_path):
     unpacked = run(tmp_path, "unpack")
     assert unpacked.returncode == 1 and "checksum" in unpacked.stderr
     assert not dest.exists()
+
+
+def test_a_ppo_checkpoint_travels_as_its_difference_from_the_base(tiny_path, tmp_path):
+    """HF_CARRY_NAME=ckpt HF_CARRY_BASE=<the SFT's folder>: a checkpoint's actor and critic arrive without their
+    optimizer state, each weight the base has as base + a bf16 difference (far closer than the weight in bf16),
+    beside an SFT carry under the default name, and wait for their base before unpacking."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    base, ckpt = Path(tiny_path), tmp_path / "gpu" / "run" / "checkpoints" / "step_000016"
+    g = torch.Generator().manual_seed(0)
+    originals = {}
+    for model in ("actor", "critic"):
+        shutil.copytree(base, ckpt / model / "hf")
+        (ckpt / model / "state").mkdir()
+        (ckpt / model / "state" / "optim.pt").write_bytes(b"\0" * 1000)
+        for f in (ckpt / model / "hf").glob("*.safetensors"):
+            tensors = {k: (v.float() + 3e-4 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v)
+                       for k, v in load_file(f).items()}
+            if model == "critic":
+                tensors["score.weight"] = torch.randn(1, 8, generator=g)  # not in the base: travels as itself
+            save_file(tensors, f)
+            originals[(model, f.name)] = tensors
+    (ckpt / "trainer_state.json").write_text('{"step": 16}')
+    sft = tmp_path / "gpu" / "sft" / "hf"
+    env = {"HF_CARRY_NAME": "ckpt", "HF_CARRY_BASE": str(sft)}
+    os.environ.update(env)
+    try:
+        dest = tmp_path / "gpu" / "resumed" / "checkpoints" / "step_000016"
+        refused = run(tmp_path, "pack", str(ckpt), str(dest))  # a base that is not there: refused
+        assert refused.returncode == 1 and "no base" in refused.stderr
+        shutil.copytree(base, sft)
+        carry(tmp_path, "pack", str(ckpt), str(dest))
+        shutil.rmtree(sft)  # the next session's machine: bare until the SFT's carry unpacks
+        back = tmp_path / "back"
+        back.mkdir()
+        for first in range(0, int((tmp_path / "packed" / "NPARTS").read_text()), 4):
+            carry(tmp_path, "fetch", str(first), out=back)
+        assert "all" in carry(tmp_path, "stage", str(back))
+        assert sorted(p.name for p in (tmp_path / "carry").iterdir())[0] == "ckpt0"
+        said = carry(tmp_path, "unpack")  # the base (the SFT's folder) is not there yet
+        assert "waiting for its base" in said and not dest.exists()
+        shutil.copytree(base, sft)
+        assert "ready" in carry(tmp_path, "unpack")
+    finally:
+        for key in env:
+            del os.environ[key]
+    assert json.loads((dest / "trainer_state.json").read_text()) == {"step": 16}
+    assert not (dest / "actor" / "state").exists() and not (dest / "critic" / "state").exists()
+    for (model, name), tensors in originals.items():
+        after = load_file(dest / model / "hf" / name)
+        assert after.keys() == tensors.keys()
+        for key, value in tensors.items():
+            if not value.is_floating_point():
+                assert torch.equal(after[key], value)
+            elif key == "score.weight":
+                assert torch.equal(after[key], value.to(torch.bfloat16))
+            else:
+                assert after[key].dtype == torch.float32
+                error = (after[key] - value).abs().max().item()
+                rounding = (value.to(torch.bfloat16).float() - value).abs().max().item()
+                assert error <= 1e-5 and error < rounding / 20, (key, error, rounding)  # 2^-9 of ~1e-3
