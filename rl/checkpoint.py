@@ -46,6 +46,12 @@ class Checkpointer:
         return complete[-1] if complete else None
 
     @staticmethod
+    def has_optimizer_state(folder: Path) -> bool:
+        """Whether a checkpoint resumes exactly (its actor's `state/`), or holds only HF weights (dropped to carry it
+        between machines: rl.train's trainer.resume_weights_only)."""
+        return (Path(folder) / "actor" / "state").exists()
+
+    @staticmethod
     def load_state(folder: Path) -> dict:
         return json.loads((Path(folder) / "trainer_state.json").read_text())
 

@@ -108,7 +108,7 @@ def model_sources(cfg: Config, resume_from) -> tuple[str, str, str]:
     the two trained models while the reference stays model.name."""
     policy = str(resolve_model_path(cfg.model.name))
     critic = str(resolve_model_path(cfg.model.critic or cfg.model.name))
-    if resume_from is None or (resume_from / "actor" / "state").exists():
+    if resume_from is None or Checkpointer.has_optimizer_state(resume_from):
         return policy, critic, policy
     missing = [str(resume_from / m / "hf") for m in ("actor", "critic") if not (resume_from / m / "hf").is_dir()]
     if missing:
@@ -145,11 +145,11 @@ def train(cfg: Config) -> dict:
     start, state = 0, None
     if resume_from is not None:
         state = Checkpointer.load_state(resume_from)
-        if not (resume_from / "actor" / "state").exists():  # weights only: the workers loaded them (model_sources)
-            log.warning("resuming from %s without its optimizer state: Adam's moments start at zero", resume_from)
-        else:
+        if Checkpointer.has_optimizer_state(resume_from):
             workers.actor.load(str(resume_from / "actor"))
             workers.critic.load(str(resume_from / "critic"))
+        else:  # weights only: the workers loaded them (model_sources)
+            log.warning("resuming from %s without its optimizer state: Adam's moments start at zero", resume_from)
         start = state["step"]
         workers.sync.push(state.get("weight_version", start))
         log.info("resumed from %s at step %d", resume_from, start)

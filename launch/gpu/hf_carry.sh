@@ -130,14 +130,16 @@ unpack)
     # into DEST.partial first: a half-unpacked DEST with its config.json would pass for a finished SFT
     in_order "$PARTS" | xargs cat | xz -d -T0 | tar -x -C "$DEST.partial" \
       || { echo "hf_carry: unpacking to $DEST failed" >&2; rm -rf "$DEST.partial"; exit 1; }
-    python3 - "$DEST.partial" "$BASE" <<'PY' || { echo "hf_carry: adding the base failed" >&2; rm -rf "$DEST.partial"; exit 1; }
+    # differences back to weights (only a pack with a base made them; the SFT's own carry skips this)
+    [ -z "$BASE" ] || python3 - "$DEST.partial" "$BASE" <<'PY' \
+      || { echo "hf_carry: adding the base failed" >&2; rm -rf "$DEST.partial"; exit 1; }
 import json, sys
 from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 base = {}
-for f in sorted(Path(sys.argv[2]).glob("*.safetensors")) if sys.argv[2] else []:
+for f in sorted(Path(sys.argv[2]).glob("*.safetensors")):
     base.update(load_file(f))
 for f in sorted(Path(sys.argv[1]).rglob("*.safetensors")):
     with safe_open(f, "pt") as opened:

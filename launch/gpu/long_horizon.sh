@@ -23,8 +23,10 @@ TIME_S=$1; shift
 ROOT=/tmp/rl-out/lh RESULTS=${RESULTS:-/tmp/rl-out/lh/results}
 EXPERIMENT=${EXPERIMENT:-long_horizon_gpu}
 RUNS=${RUNS:-$EXPERIMENT|}
-# seconds kept for packing the final checkpoint (one run only); PACK_S=0 packs nothing
-PACK_S=${PACK_S:-$([ "$(grep -c . <<<"$RUNS")" = 1 ] && echo 60 || echo 0)}
+# One run (not several side by side) goes on over sessions: its folder, and the seconds kept at the end for packing
+# its final checkpoint (PACK_S=0 packs nothing)
+ONE_RUN=$([ "$(grep -c . <<<"$RUNS")" = 1 ] && echo "$ROOT/${RUNS%%|*}")
+PACK_S=${PACK_S:-$([ -n "$ONE_RUN" ] && echo 60 || echo 0)}
 shared_gpu_args 8192 0.08
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
@@ -49,9 +51,10 @@ else  # an earlier session's checkpoint (launch/gpu/hf_carry.sh, unpacked by set
   echo "long_horizon: SFT checkpoint found in $SFT/hf, no SFT this time: $(tr '\n' ' ' <"$SFT/hf/CARRY.txt" 2>/dev/null)"
 fi
 RESUME_ARGS=()
-if [ "$(grep -c . <<<"$RUNS")" = 1 ] && ls "$ROOT/${RUNS%%|*}"/checkpoints/step_*/trainer_state.json >/dev/null 2>&1; then
+last_checkpoint() { ls -d "$ONE_RUN"/checkpoints/step_* 2>/dev/null | tail -1; }
+if [ -n "$ONE_RUN" ] && [ -f "$(last_checkpoint)/trainer_state.json" ]; then
   RESUME_ARGS=(resume=true trainer.resume_weights_only=true)  # an earlier session's checkpoint (hf_carry.sh)
-  echo "long_horizon: resuming ${RUNS%%|*} from $(ls -d "$ROOT/${RUNS%%|*}"/checkpoints/step_* | tail -1)"
+  echo "long_horizon: resuming from $(last_checkpoint)"
 fi
 left=$((TIME_S - (SECONDS - started) - PACK_S))
 echo "long_horizon: SFT done after $((SECONDS - started)) s; PPO gets $left s"
@@ -60,8 +63,8 @@ start_runs python3 -m rl.train +experiment="$EXPERIMENT" model.name="$SFT/hf" ou
   trainer.time_limit_action=finish "$@"
 wait_runs long_horizon collect_run
 rc=$?
-if [ "$PACK_S" -gt 0 ]; then  # the final checkpoint for the next session (`HF_CARRY_NAME=ckpt hf_carry.sh fetch`)
-  last=$(ls -d "$ROOT/${RUNS%%|*}"/checkpoints/step_* 2>/dev/null | tail -1)
+if [ "$PACK_S" -gt 0 ] && [ -n "$ONE_RUN" ]; then  # the final checkpoint for the next session (then `fetch`)
+  last=$(last_checkpoint)
   [ -z "$last" ] || HF_CARRY_NAME=ckpt HF_CARRY_BASE="$SFT/hf" bash launch/gpu/hf_carry.sh pack "$last" "$last" \
     2>&1 | tee "$RESULTS/ckpt_carry.log"
 fi
