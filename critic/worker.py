@@ -31,8 +31,10 @@ class CriticWorker(DeepSpeedWorker):
         batch = as_token_batch(samples, ())
         self.module.eval()
         batches = self.micro_batches(batch, ())
-        outputs = [self.whole(mb, token_values(self.module, mb.tensors["input_ids"], mb.tensors["attention_mask"],
-                                               mb.position_ids, sequence=mb.sequence)) for mb in batches]
+        with self.forward_precision():
+            outputs = [self.whole(mb, token_values(self.module, mb.tensors["input_ids"],
+                                                   mb.tensors["attention_mask"], mb.position_ids,
+                                                   sequence=mb.sequence)) for mb in batches]
         release_memory()
         return unbatch(batches, outputs, batch)
 
@@ -89,4 +91,4 @@ class CriticWorker(DeepSpeedWorker):
                 return loss * self.loss_scale
             return compute
 
-        return accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches])
+        return accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches], self.optim.bf16_autocast)

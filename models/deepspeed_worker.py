@@ -167,11 +167,17 @@ def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float
     return engine
 
 
-def accumulate_and_step(engine, micro_losses) -> float:
+def forward_precision(device, bf16_autocast: bool):
+    """The context of a worker's forward passes: bf16 autocast under OptimConfig.bf16_autocast, else nothing."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16_autocast)
+
+
+def accumulate_and_step(engine, micro_losses, bf16_autocast: bool = False) -> float:
     """Backward every micro-batch loss (already scaled by the global denominator), then one optimiser step.
 
     `micro_losses` is an iterable of zero-argument callables so that each forward runs right before its own
-    backward (only one micro-batch's activations alive at a time). Returns the gradient norm.
+    backward (only one micro-batch's activations alive at a time). Returns the gradient norm. With
+    `bf16_autocast` each forward runs under bf16 autocast (the backward follows the forward's casts by itself).
     """
     losses = list(micro_losses)
     for i, compute in enumerate(losses):
@@ -181,7 +187,8 @@ def accumulate_and_step(engine, micro_losses) -> float:
         # of adding to them; without it only the last micro-batch's gradient survived.
         if hasattr(engine.optimizer, "clear_backward_seen_flag"):
             engine.optimizer.clear_backward_seen_flag()
-        loss = compute()
+        with forward_precision(engine.device, bf16_autocast):
+            loss = compute()
         engine.backward(loss, scale_wrt_gas=False)
     norm = engine.get_global_grad_norm() if engine.zero_optimization_stage() > 0 else None
     if norm is None:  # ZeRO-0 keeps plain .grad tensors: measure before the step clips them
@@ -229,6 +236,11 @@ class OptimConfig:
     # fp32 matmuls on the GPU's TF32 tensor cores (10-bit mantissa, fp32 range and accumulation): several times
     # an fp32 trainer's matmul throughput on Ampere and later; nothing changes on the CPU or for bf16 weights
     tf32: bool = False
+    # The forward passes (π_old/π_ref, values, the updates' forwards) under torch.autocast to bf16 while the
+    # weights, gradients and Adam stay in `dtype`: attention and matmuls on bf16 tensor cores (fp32 attention over
+    # packed rows' masks was 59% of an H100 step, docs/BENCHMARKS.md); the LM head and its log-softmax stay in the
+    # weights' precision (models/logprobs.py). Unlike bf16 weights, a checkpoint's HF weights stay exact.
+    bf16_autocast: bool = False
 
     def __post_init__(self):
         if self.expert_parallel > 1 and self.zero_stage not in (1, 2):
@@ -281,6 +293,11 @@ class DeepSpeedWorker:
     @property
     def module(self) -> nn.Module:
         return self.engine.module
+
+    def forward_precision(self):
+        """Where this worker's no-grad passes run (OptimConfig.bf16_autocast); the updates pass the flag to
+        `accumulate_and_step`."""
+        return forward_precision(self.device, self.optim.bf16_autocast)
 
     @property
     def head_group(self) -> bool:

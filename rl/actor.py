@@ -98,10 +98,11 @@ class ActorWorker(DeepSpeedWorker):
                           routed_experts=mb.tensors.get("routed_experts"), indexer_topk=mb.indexer_topk(),
                           sequence=mb.sequence,
                           head_calls=self.head_calls(mb, mb.tensors["loss_mask"]))
-            if with_old:
-                old.append(self.whole(mb, policy_logprobs(self.module, *args, **kwargs)[0]))
-            if reference is not None:
-                ref.append(self.whole(mb, policy_logprobs(reference, *args, **kwargs)[0]))
+            with self.forward_precision():
+                if with_old:
+                    old.append(self.whole(mb, policy_logprobs(self.module, *args, **kwargs)[0]))
+                if reference is not None:
+                    ref.append(self.whole(mb, policy_logprobs(reference, *args, **kwargs)[0]))
         release_memory()
         out = {"old_logprobs": unbatch(batches, old, batch)} if with_old else {}
         if reference is not None:
@@ -230,7 +231,7 @@ class ActorWorker(DeepSpeedWorker):
                 return loss
             return compute
 
-        return accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches])
+        return accumulate_and_step(self.engine, [micro_loss(mb) for mb in batches], self.optim.bf16_autocast)
 
     def sft_step(self, samples: list[dict] | TokenBatch, mini_batches: int = 1, seed: int = 0) -> dict:
         """Supervised fine-tuning on episodes the agent loop rendered (rl/sft.py): the loss of each of
@@ -262,7 +263,7 @@ class ActorWorker(DeepSpeedWorker):
                 return compute
 
             grad_norms.append(accumulate_and_step(self.engine, [micro_loss(mb) for mb in self.micro_batches(
-                group, ("loss_mask",))]))
+                group, ("loss_mask",))], self.optim.bf16_autocast))
             nll.append(step_sum[0])
             tokens += denom
         release_memory()

@@ -71,7 +71,8 @@ def _optim(t) -> dict:
     return dict(weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
                 micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing,
                 pack_micro_batches=t.pack_micro_batches, offload_optimizer=t.offload_optimizer,
-                offload_params=t.offload_params, sequence_parallel=t.sequence_parallel, tf32=t.tf32)
+                offload_params=t.offload_params, sequence_parallel=t.sequence_parallel, tf32=t.tf32,
+                bf16_autocast=t.bf16_autocast)
 
 
 def actor_group(cfg: Config, policy: str, learning_rate: float | None = None,

@@ -109,6 +109,8 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # positions per forward/backward (rows x width)
     gradient_checkpointing: bool = False
     tf32: bool = False  # a GPU trainer's fp32 matmuls on TF32 tensor cores (models/deepspeed_worker.py OptimConfig)
+    # forward passes under bf16 autocast, weights and optimizer in model.dtype (OptimConfig.bf16_autocast)
+    bf16_autocast: bool = False
     # Rows holding several samples end to end (as wide as the micro-batch's longest sample) where the model
     # supports it (transformers' models, GLM-5.2); false: one right-padded sample a row for every model
     pack_micro_batches: bool = True
@@ -251,6 +253,9 @@ def validate(cfg: Config) -> None:
         problems.append(f"trainer.max_staleness > 0 with engine.sglang.pause_mode={sg.pause_mode}: SGLang reports "
                         "only a request's final weight version, so the tokens sampled before the update would be "
                         "credited to the new one; pause_mode=abort continues them exactly (a partial rollout)")
+    if cfg.trainer.bf16_autocast and cfg.model.dtype != "float32":
+        problems.append(f"trainer.bf16_autocast with model.dtype={cfg.model.dtype}: autocast is for fp32 weights "
+                        "(their forwards in bf16, their updates exact); these weights already compute in their dtype")
     if cfg.trainer.eval_samples > 1 and cfg.engine.eval_temperature <= 0:
         problems.append(f"trainer.eval_samples={cfg.trainer.eval_samples} needs engine.eval_temperature > 0 "
                         "(greedy samples of one task are the same episode)")
