@@ -80,14 +80,15 @@ class CriticWorker(DeepSpeedWorker):
                 per_token, clipped = value_loss(values, t["old_values"], t["returns"], self.value_clip)
                 mask = self.owned(mb, t["loss_mask"])  # under sequence parallelism: the positions of this rank
                 loss = masked_sum(per_token, mask) / denom
-                totals["loss"] += float(loss.detach())
-                totals["clipped"] += float(masked_sum(clipped, mask))
+                # summed on the device: the host reads the totals once (models/deepspeed_worker.py host_floats)
+                totals["loss"] = totals["loss"] + loss.detach().double()
+                totals["clipped"] = totals["clipped"] + masked_sum(clipped, mask).double()
                 if moments:
                     v, g = values.detach().double(), t["returns"].double()
                     m = mask.double()
                     for key, x in (("n", m), ("v", v * m), ("g", g * m), ("g2", g * g * m), ("d", (g - v) * m),
                                    ("d2", (g - v) ** 2 * m)):
-                        totals[key] += float(x.sum())
+                        totals[key] = totals[key] + x.sum()
                 return loss * self.loss_scale
             return compute
 

@@ -167,6 +167,21 @@ def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float
     return engine
 
 
+def host_floats(values: list) -> list[float]:
+    """`values` (floats and 0-d tensors) as floats, the tensors brought to the host together: one device sync for
+    all of a step's statistics instead of one per statistic per micro-batch, each of which left the GPU idle while
+    the host queued the next kernels (~300 syncs an update, docs/BENCHMARKS.md)."""
+    at = [i for i, v in enumerate(values) if torch.is_tensor(v)]
+    out = [float(v) for v in values] if not at else list(values)
+    if at:
+        device = values[at[0]].device
+        host = torch.stack([values[i].detach().to(device, torch.float64).reshape(()) for i in at]).tolist()
+        for i, v in zip(at, host):
+            out[i] = v
+        out = [float(v) for v in out]
+    return out
+
+
 def forward_precision(device, bf16_autocast: bool):
     """The context of a worker's forward passes: bf16 autocast under OptimConfig.bf16_autocast, else nothing."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16_autocast)
@@ -384,14 +399,15 @@ class DeepSpeedWorker:
             # (a sequence-parallel group's ranks hold the same samples: counted once)
             yield epoch, group, self.shard_total(local) or 1.0
 
-    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        """Sum (or max, min) of `values` over the ranks of this model; the values themselves on one rank."""
+    def all_reduce(self, values: list, op: str = "sum") -> list[float]:
+        """Sum (or max, min) of `values` (floats, or 0-d tensors such as statistics summed on the device) over the
+        ranks of this model; the values themselves on one rank."""
+        values = host_floats(values)
         if self.world_size == 1:
-            return [float(v) for v in values]
+            return values
         ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
                "min": torch.distributed.ReduceOp.MIN}
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64,
-                         device=self.device if self.backend == "nccl" else "cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.backend == "nccl" else "cpu")
         torch.distributed.all_reduce(t, op=ops[op])
         return t.cpu().tolist()
 

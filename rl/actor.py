@@ -178,8 +178,8 @@ class ActorWorker(DeepSpeedWorker):
         a = self.algo
         batches = self.micro_batches(samples, fields)
 
-        def add(key: str, value) -> None:
-            sums[key] = sums.get(key, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+        def add(key: str, value) -> None:  # summed on the device: the host reads the sums once (host_floats)
+            sums[key] = sums.get(key, 0.0) + (value.detach().double() if torch.is_tensor(value) else value)
 
         def micro_loss(mb):
             def compute():
@@ -225,9 +225,9 @@ class ActorWorker(DeepSpeedWorker):
                     diff, masked = (old - t["rollout_logprobs"]).abs().detach(), 1.0 - keep
                     per_lag = torch.stack([at.flatten(1).sum(1), (at * diff).flatten(1).sum(1),
                                            (at * masked).flatten(1).sum(1)], 1)
-                    for k, row in enumerate(per_lag.tolist()):
-                        for stat, value in zip(("tokens", "abs_diff", "masked"), row):
-                            add(f"lag{k}_{stat}", value)
+                    for k in range(LAG_LEVELS):
+                        for j, stat in enumerate(("tokens", "abs_diff", "masked")):
+                            add(f"lag{k}_{stat}", per_lag[k, j])
                 return loss
             return compute
 

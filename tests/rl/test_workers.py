@@ -300,3 +300,34 @@ def test_zero3_accumulates_every_micro_batch_like_zero0(tiny_path):
         states.append(w.gathered_state())
     assert norms[1] == pytest.approx(norms[0], rel=1e-4)
     assert max(float((states[0][k] - states[1][k]).abs().max()) for k in states[0]) < 1e-4
+
+
+def test_the_mismatch_by_staleness_is_the_hand_computed_mean_per_lag(tiny_path):
+    """`mismatch/abs_diff_lag{k}`: mean |π_old − μ| over the action tokens sampled k versions ago (the sums are
+    kept on the device through the micro-batches and read once), checked against the same mean by hand."""
+    actor = ActorWorker(tiny_path, OptimConfig(learning_rate=1e-3, micro_batch_tokens=40),
+                        AlgorithmConfig(use_reference=False), temperature=1.0)
+    samples = batch()
+    olds = split_per_sample(samples, actor.compute_logprobs(samples)["old_logprobs"])
+    g = torch.Generator().manual_seed(3)
+    by_lag: dict[int, list[float]] = {}
+    for s, old in zip(samples, olds):
+        mask = torch.tensor(s["loss_mask"], dtype=torch.float32)
+        shift = 0.05 * torch.randn(len(old), generator=g)  # μ: π_old off by a little (a stale or rounded engine)
+        lag = torch.randint(0, 3, (len(old),), generator=g).float() * mask
+        s.update(old_logprobs=old, rollout_logprobs=old + shift, advantages=list(s["loss_mask"]), staleness=lag)
+        for k, d, m in zip(lag.tolist(), shift.abs().tolist(), mask.tolist()):
+            if m:
+                by_lag.setdefault(int(k), []).append(d)
+    metrics = actor.train_step(samples)
+    for k, diffs in by_lag.items():
+        assert metrics[f"mismatch/abs_diff_lag{k}"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-4)
+    assert "mismatch/abs_diff_lag3" not in metrics  # no token lags three versions
+
+
+def test_host_floats_reads_tensors_and_floats_in_order():
+    from models.deepspeed_worker import host_floats
+
+    values = [1.5, torch.tensor(2.25, dtype=torch.float64), torch.tensor([0.1], dtype=torch.float32), 3]
+    assert host_floats(values) == [1.5, 2.25, float(torch.tensor(0.1)), 3.0]
+    assert host_floats([0.0, 2]) == [0.0, 2.0]
