@@ -170,7 +170,7 @@ def deepspeed_engine(model: nn.Module, learning_rate: float, weight_decay: float
 def host_floats(values: list) -> list[float]:
     """`values` (floats and 0-d tensors) as floats, the tensors brought to the host together: one device sync for
     all of a step's statistics instead of one per statistic per micro-batch, each of which left the GPU idle while
-    the host queued the next kernels (~300 syncs an update, docs/BENCHMARKS.md)."""
+    the host queued the next kernels (a dozen per micro-batch in the profiled update, docs/BENCHMARKS.md)."""
     at = [i for i, v in enumerate(values) if torch.is_tensor(v)]
     out = [float(v) for v in values] if not at else list(values)
     if at:
