@@ -145,8 +145,10 @@ def test_killed_run_resumes_from_its_last_checkpoint(scripted_policy, tmp_path):
     for model in ("actor", "critic"):
         shutil.rmtree(latest / model / "state")
     finish = ["resume=true", "trainer.steps=5", "trainer.time_limit_s=1", "trainer.time_limit_action=finish"]
-    refused = subprocess.run(args + finish, capture_output=True, text=True, timeout=900)
-    assert refused.returncode != 0 and "trainer.resume_weights_only=true" in refused.stdout + refused.stderr
+    from rl.train import train  # refused before anything starts (in this process: no subprocess's imports to pay)
+
+    with pytest.raises(ValueError, match="trainer.resume_weights_only=true"):
+        train(config(*args[4:], *finish))
     done = subprocess.run(args + finish + ["trainer.resume_weights_only=true"], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
