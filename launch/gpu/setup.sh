@@ -54,7 +54,7 @@ SGLANG_OVERRIDES=()
 shared_gpu_args() {  # MICRO_BATCH_TOKENS MEM_FRACTION: SHARED_ARGS for runs that share the GPU (empty for one run)
   SHARED_ARGS=()
   if [ "$(grep -c . <<<"$RUNS")" -gt 1 ]; then
-    SHARED_ARGS=(trainer.micro_batch_tokens="$1" engine.sglang.args.mem-fraction-static="$2")
+    SHARED_ARGS=(trainer.micro_batch_tokens="$1" ++engine.sglang.args.mem-fraction-static="$2")
   fi
 }
 start_runs() {  # COMMAND...: one process per RUNS line, with run_name and the line's overrides after COMMAND, its
