@@ -12,7 +12,7 @@ from models.deepspeed_worker import OptimConfig
 from models.logprobs import policy_logprobs
 from rl.actor import ActorWorker
 from rl.config import AlgorithmConfig
-from tests.rl.test_workers import batch
+from tests.rl.test_workers import batch, value_losses
 
 
 def actor(tiny_path, bf16_autocast):
@@ -62,13 +62,7 @@ def test_under_autocast_the_head_and_its_log_softmax_stay_fp32(tiny_path):
 
 def test_the_critic_trains_under_autocast(tiny_path):
     critic = CriticWorker(tiny_path, OptimConfig(learning_rate=1e-3, bf16_autocast=True), value_clip=None)
-    samples = batch()
-    losses = []
-    for _ in range(6):
-        values = split_per_sample(samples, critic.compute_values(samples))
-        for s, v in zip(samples, values):
-            s.update(old_values=v, returns=[0.7 * m for m in s["loss_mask"]])
-        losses.append(critic.train_step(samples)["critic/value_loss"])
+    losses = value_losses(critic, batch(), 6)
     assert losses[-1] < 0.6 * losses[0]
     assert all(p.dtype == torch.float32 for p in critic.module.parameters())
 
