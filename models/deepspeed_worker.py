@@ -171,15 +171,14 @@ def host_floats(values: list) -> list[float]:
     """`values` (floats and 0-d tensors) as floats, the tensors brought to the host together: one device sync for
     all of a step's statistics instead of one per statistic per micro-batch, each of which left the GPU idle while
     the host queued the next kernels (a dozen per micro-batch in the profiled update, docs/BENCHMARKS.md)."""
+    out = list(values)
     at = [i for i, v in enumerate(values) if torch.is_tensor(v)]
-    out = [float(v) for v in values] if not at else list(values)
     if at:
         device = values[at[0]].device
         host = torch.stack([values[i].detach().to(device, torch.float64).reshape(()) for i in at]).tolist()
         for i, v in zip(at, host):
             out[i] = v
-        out = [float(v) for v in out]
-    return out
+    return [float(v) for v in out]
 
 
 def forward_precision(device, bf16_autocast: bool):

@@ -218,7 +218,7 @@ class ActorWorker(DeepSpeedWorker):
                     add("kl_ref", masked_sum(kl_estimate(logp.detach(), t["ref_logprobs"], "k3"), mask))
                 for k, v in {**stats, **corr}.items():
                     add(k, v)
-                if "staleness" in t:  # per lag: tokens, |π_old − μ| and masked tokens, one host sync for all
+                if "staleness" in t:  # per lag: tokens, |π_old − μ| and masked tokens
                     lag = t["staleness"].clamp(max=LAG_LEVELS - 1)
                     at = mask.unsqueeze(0) * (lag.unsqueeze(0) == torch.arange(LAG_LEVELS, device=lag.device)
                                               .view(-1, *[1] * lag.dim())).float()  # [levels, *mask.shape]
