@@ -1,5 +1,5 @@
 #!/bin/bash
-# Parallel OPD on one H200 (docs/OPD.md): the two experts (python -m opd.experts, on the GPU), then opd.distill
+# Parallel OPD on one GPU (docs/OPD.md): the two experts (python -m opd.experts, on the GPU), then opd.distill
 # +experiment=opd_merge_gpu (SGLang teachers, 64 episodes a step) for what is left of TIME_S seconds
 # (trainer.time_limit_action=finish: the run ends complete, final evaluation included). Start it detached:
 #   bash launch/gpu/detached.sh start CALL_S opd 'bash launch/gpu/opd.sh TIME_S [opd.distill overrides]'
