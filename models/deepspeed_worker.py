@@ -296,6 +296,10 @@ class DeepSpeedWorker:
                 raise ValueError(f"sequence_parallel={optim.sequence_parallel} needs a GLM-5.2-architecture model "
                                  f"(models/glm5), not {type(model).__name__}")
             self.sequence_group, self.sequence_rank = sequence_groups(optim.sequence_parallel)
+        if optim.bf16_autocast and type(model).__module__.startswith("models.glm5"):
+            # its sparse attention and indexer mix dtypes their own way (fp32 scores, an fp8 indexer option)
+            raise ValueError("trainer.bf16_autocast is for transformers' models; a GLM-5.2-architecture model "
+                             "(models/glm5) trains in bf16 with model.dtype=bfloat16")
         if optim.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = deepspeed_engine(model, optim.learning_rate, optim.weight_decay, optim.grad_clip,

@@ -82,3 +82,11 @@ def test_autocast_over_weights_that_are_not_fp32_is_refused():
     cfg.trainer.bf16_autocast, cfg.model.dtype = True, "bfloat16"
     with pytest.raises(ValueError, match="trainer.bf16_autocast with model.dtype=bfloat16"):
         validate(cfg)
+
+
+def test_autocast_of_a_glm52_model_is_refused_by_name():
+    from models import resolve_model_path
+
+    with pytest.raises(ValueError, match="trainer.bf16_autocast is for transformers' models"):
+        ActorWorker(str(resolve_model_path("glm52-tiny")), OptimConfig(bf16_autocast=True),
+                    AlgorithmConfig(use_reference=False), temperature=1.0)
