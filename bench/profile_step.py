@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "bf16_autocast), timed against the same worker without it (the peer), in this process")
     p.add_argument("--mini-batches", type=int, default=1)
     p.add_argument("--attn", default="", help="transformers' attention implementation for the policy and the "
-                   "reference (sdpa, the default; flex_attention skips the masked blocks of packed rows; eager)")
+                   "reference (sdpa, the default; flex_attention skips the masked blocks of packed rows but compiles per "
+                   "micro-batch shape: it did not finish in 150 s on an H100; eager)")
     p.add_argument("--rows", type=int, default=25, help="operators shown per table")
     p.add_argument("--out", default="", help="folder for the tables (profile.txt)")
     args = p.parse_args(argv)
