@@ -30,12 +30,11 @@ PACK_S=${PACK_S:-$([ -n "$ONE_RUN" ] && echo 60 || echo 0)}
 shared_gpu_args 8192 0.08
 mkdir -p "$ROOT" "$RESULTS"
 started=$SECONDS
-collect() {  # RUN_DIR [PREFIX]: metrics, summary, config, curves, the decoded episodes and the SGLang servers' logs
-  # (small; the logs say where a server's start-up went: 92-153 s of a session so far) → $RESULTS
-  local prefix=${2:-$(basename "$1")} f
-  for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$1/$f" ] && cp "$1/$f" "$RESULTS/${prefix}_$f"; done
+collect() {  # RUN_DIR [PREFIX]: collect_results (setup.sh) and the decoded episodes → $RESULTS (the logs say where a
+  # server's start-up went: 92-153 s of a session so far)
+  local prefix=${2:-$(basename "$1")}
+  collect_results "$1" "$prefix"
   [ -d "$1/episodes" ] && tar -C "$1" -cJf "$RESULTS/${prefix}_episodes.tar.xz" episodes
-  [ -d "$1/sglang" ] && tar -C "$1" -cJf "$RESULTS/${prefix}_sglang_logs.tar.xz" sglang
   return 0
 }
 collect_run() { collect "$ROOT/$1"; }

@@ -26,11 +26,7 @@ for spec in function:1 bugfix:2; do  # domain:epochs, as the CPU demonstration m
 done
 left=$((TIME_S - (SECONDS - started)))
 echo "opd: experts ready after $((SECONDS - started)) s; the distillation gets $left s"
-collect() {  # RUN_NAME: metrics, summary, config, curves, and the student's and teachers' SGLang logs (their start-up)
-  for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$ROOT/$1/$f" ] && cp "$ROOT/$1/$f" "$RESULTS/$1_$f"; done
-  [ -d "$ROOT/$1/sglang" ] && tar -C "$ROOT/$1" -cJf "$RESULTS/$1_sglang_logs.tar.xz" sglang
-  return 0
-}
+collect() { collect_results "$ROOT/$1" "$1"; }  # RUN_NAME: its files and its servers' logs → $RESULTS
 start_runs python3 -m opd.distill +experiment=opd_merge_gpu output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" \
   trainer.time_limit_s="$left" trainer.time_limit_action=finish "$@"
 wait_runs opd collect

@@ -83,6 +83,13 @@ copy_run_outputs() {  # RUN_DIR: metrics, summary, config, curves, the audit's a
   [ -d "$run/sglang" ] && tail -n 60 "$run"/sglang/*.log >"$out/sglang_tail.log" 2>/dev/null
   return 0
 }
+collect_results() {  # RUN_DIR PREFIX: metrics, summary, config, curves and the SGLang servers' logs (a tar: their
+  # start-up) → $RESULTS/PREFIX_*, for the scripts that run several runs and bring them back together
+  local f
+  for f in metrics.jsonl summary.json config.yaml curves.png; do [ -f "$1/$f" ] && cp "$1/$f" "$RESULTS/$2_$f"; done
+  [ -d "$1/sglang" ] && tar -C "$1" -cJf "$RESULTS/$2_sglang_logs.tar.xz" sglang
+  return 0
+}
 follow_log() {  # CALL_S: print $LOG's new lines (no progress bars) while $PID runs, at most CALL_S seconds
   local deadline=$((SECONDS + $1))
   while follow_running && [ $SECONDS -lt $deadline ]; do follow_show_new; sleep 10; done

@@ -11,7 +11,8 @@
 # Side by side the runs share the GPU's time, so their seconds a step measure nothing alone (bench/async_loop.py
 # times each K on its own). Each run gets SHARED_ARGS first (micro-batches of 8,192 positions, 8% of the free memory
 # for its server; overrides after EXPERIMENT still win) and ends complete (trainer.time_limit_action=finish, final
-# evaluation included); its metrics, summary, config and curves come back under $RESULTS as <run name>_*.
+# evaluation included); its metrics, summary, config, curves and server logs come back under $RESULTS as
+# <run name>_*.
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1 EXPERIMENT=$2; shift 2
@@ -22,13 +23,7 @@ while [ $# -gt 0 ] && [ "$1" != -- ]; do RUNS+="$1"$'\n'; shift; done
 [ -n "$RUNS" ] || { echo "side_by_side: no RUN given (run_name|overrides)" >&2; exit 2; }
 shared_gpu_args 8192 0.08
 mkdir -p "$ROOT" "$RESULTS"
-collect_run() {  # RUN_NAME → $RESULTS
-  local f
-  for f in metrics.jsonl summary.json config.yaml curves.png; do
-    [ -f "$ROOT/$1/$f" ] && cp "$ROOT/$1/$f" "$RESULTS/$1_$f"
-  done
-  return 0
-}
+collect_run() { collect_results "$ROOT/$1" "$1"; }  # RUN_NAME → $RESULTS
 start_runs python3 -m rl.train +experiment="$EXPERIMENT" output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" \
   trainer.time_limit_s="$TIME_S" trainer.time_limit_action=finish "$@"
 wait_runs side_by_side collect_run
