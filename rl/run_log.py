@@ -83,23 +83,53 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_curves(metrics_path: Path, out_png: Path, curves=CURVES) -> Path | None:
     """One small panel per curve group; keys that never appear are left out."""
+    return _draw_panels({"": read_metrics(metrics_path)}, out_png, curves)
+
+
+def plot_compare(runs: dict[str, Path], out_png: Path, curves=CURVES) -> Path | None:
+    """The panels of `plot_curves` with one line per run and key, for runs made to be compared (the same
+    experiment with one setting changed, at the same steps): {run name: its metrics.jsonl}."""
+    if not runs:
+        raise ValueError("plot_compare: no run given")
+    return _draw_panels({name: read_metrics(path) for name, path in runs.items()}, out_png, curves)
+
+
+def panel_lines(runs: dict[str, list[dict]], curves=CURVES) -> list[list[tuple[str, str, list, list]]]:
+    """What each panel draws: (run name, key, steps, values) per run and key that has points; empty panels are
+    left out."""
+    panels = []
+    for group in curves:
+        lines = []
+        for name, records in runs.items():
+            for key in group:
+                pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+                if pts:
+                    lines.append((name, key, [p[0] for p in pts], [p[1] for p in pts]))
+        if lines:
+            panels.append(lines)
+    return panels
+
+
+def _draw_panels(runs: dict[str, list[dict]], out_png: Path, curves) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
-    panels = [[k for k in group if any(r.get(k) is not None for r in records)] for group in curves]
-    panels = [p for p in panels if p]
+    panels = panel_lines(runs, curves)
     if not panels:
         return None
     cols = 3
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
-    for ax, keys in zip(axes.flat, panels):
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=key)
+    names = list(runs)
+    for ax, lines in zip(axes.flat, panels):
+        keys = list(dict.fromkeys(key for _, key, _, _ in lines))
+        for name, key, steps, values in lines:
+            # several runs: one colour per run, one line style per key, so a run reads the same in every panel
+            style = {} if len(names) == 1 else {"color": f"C{names.index(name) % 10}",
+                                                 "linestyle": ("-", "--", ":", "-.")[keys.index(key) % 4]}
+            ax.plot(steps, values, marker="o", markersize=3, label=f"{name}: {key}" if name else key, **style)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -109,3 +139,30 @@ def plot_curves(metrics_path: Path, out_png: Path, curves=CURVES) -> Path | None
     fig.savefig(out_png, dpi=80)
     plt.close(fig)
     return out_png
+
+
+def main(argv=None) -> None:
+    """`python -m rl.run_log compare NAME=METRICS.jsonl... --out PNG`: several runs' curves on one figure."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m rl.run_log")
+    sub = parser.add_subparsers(dest="command", required=True)
+    compare = sub.add_parser("compare", help="several runs' curves on one figure")
+    compare.add_argument("runs", nargs="+", metavar="NAME=METRICS.jsonl")
+    compare.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    runs = {}
+    for spec in args.runs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"{spec!r}: expected NAME=METRICS.jsonl")
+        if not Path(path).is_file():
+            parser.error(f"{name}: no metrics file at {path}")
+        runs[name] = Path(path)
+    if plot_compare(runs, args.out) is None:
+        parser.error("none of the runs has a metric that the curves show")
+    print(f"curves of {', '.join(runs)} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,7 @@
 # times each K on its own). Each run gets SHARED_ARGS first (micro-batches of 8,192 positions, 8% of the free memory
 # for its server; overrides after EXPERIMENT still win) and ends complete (trainer.time_limit_action=finish, final
 # evaluation included); its metrics, summary, config, curves and server logs come back under $RESULTS as
-# <run name>_*.
+# <run name>_*, and all the runs' curves on one figure as compare_curves.png.
 set -uo pipefail
 source launch/gpu/setup.sh >/dev/null
 TIME_S=$1 EXPERIMENT=$2; shift 2
@@ -26,4 +26,11 @@ mkdir -p "$ROOT" "$RESULTS"
 collect_run() { collect_results "$ROOT/$1" "$1"; }  # RUN_NAME → $RESULTS
 start_runs python3 -m rl.train +experiment="$EXPERIMENT" output_dir="$ROOT" "${SGLANG_OVERRIDES[@]}" "${SHARED_ARGS[@]}" \
   trainer.time_limit_s="$TIME_S" trainer.time_limit_action=finish "$@"
-wait_runs side_by_side collect_run
+wait_runs side_by_side collect_run; rc=$?
+# the runs' curves on one figure, $RESULTS/compare_curves.png (each run's own curves.png comes back too)
+COMPARE=()
+for name in "${RUN_NAMES[@]}"; do
+  [ -f "$RESULTS/${name}_metrics.jsonl" ] && COMPARE+=("$name=$RESULTS/${name}_metrics.jsonl")
+done
+[ ${#COMPARE[@]} -ge 2 ] && python3 -m rl.run_log compare "${COMPARE[@]}" --out "$RESULTS/compare_curves.png"
+exit $rc

@@ -7,7 +7,7 @@ import pytest
 from environments import Task, TaskFile
 from rl.checkpoint import Checkpointer
 from rl.data import TaskSampler
-from rl.run_log import MetricsLogger, plot_curves, read_metrics
+from rl.run_log import MetricsLogger, main as run_log_main, panel_lines, plot_curves, read_metrics
 from rl.loop import TimeLimit, runs_out
 
 
@@ -32,6 +32,27 @@ def test_metrics_jsonl_resume_and_plot(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_draws_each_run_on_the_same_panels(tmp_path, capsys):
+    k0 = [{"step": 0, "eval/reward_mean": 0.14}, {"step": 1, "rollout/reward_mean": 0.08},
+          {"step": 2, "rollout/reward_mean": 0.09, "eval/reward_mean": 0.16}]
+    k2 = [{"step": 1, "rollout/reward_mean": 0.06}, {"step": 2, "rollout/reward_mean": 0.10, "critic/value_loss": 0.3}]
+    panels = panel_lines({"k0": k0, "k2": k2}, curves=[("rollout/reward_mean", "eval/reward_mean"),
+                                                       ("critic/value_loss",), ("actor/entropy",)])
+    assert panels == [  # the entropy panel has no point in either run: left out
+        [("k0", "rollout/reward_mean", [1, 2], [0.08, 0.09]), ("k0", "eval/reward_mean", [0, 2], [0.14, 0.16]),
+         ("k2", "rollout/reward_mean", [1, 2], [0.06, 0.10])],
+        [("k2", "critic/value_loss", [2], [0.3])]]
+    for name, records in (("k0", k0), ("k2", k2)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_log_main(["compare", f"k0={tmp_path / 'k0.jsonl'}", f"k2={tmp_path / 'k2.jsonl'}",
+                  "--out", str(tmp_path / "compare.png")])
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG" and "k0, k2" in capsys.readouterr().out
+    for bad in (["compare", "k0"], ["compare", f"k0={tmp_path / 'missing.jsonl'}"]):
+        with pytest.raises(SystemExit):
+            run_log_main(bad + ["--out", str(tmp_path / "x.png")])
+    assert "expected NAME=METRICS.jsonl" in capsys.readouterr().err
 
 
 def test_checkpointer_latest_and_prune(tmp_path):
