@@ -37,7 +37,8 @@ from rl.data import TaskSampler
 from rl.rollout_manager import RolloutManager
 from rl.run_log import MetricsLogger, plot_curves
 from rl.trajectory_metrics import trajectory_metrics
-from rl.loop import TimeLimit, Timer, check_sandbox, checkpoint_state, prepare_run_dir, write_audit
+from rl.loop import (TimeLimit, Timer, check_sandbox, checkpoint_state, driver_threads, prepare_run_dir,
+                     write_audit)
 from rollout.config import chooses_cuda_graphs
 
 log = logging.getLogger("opd.distill")
@@ -344,7 +345,9 @@ register_opd_configs()
 
 @hydra.main(config_path="../configs", config_name="opd", version_base=None)
 def main(dcfg: DictConfig) -> None:
-    distill(OmegaConf.to_object(dcfg))
+    cfg = OmegaConf.to_object(dcfg)
+    with driver_threads(cfg.trainer.driver_torch_threads):
+        distill(cfg)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,10 @@ class TrainerConfig:
     weight_sync_bucket_mb: int = 64
     verify_weight_sync: bool = False  # compare every engine's weights with the trainer's after each sync
     torch_threads: int = 0  # 0: every core
+    # The driver process's own torch work (batching, GAE, metrics) is thousands of ops on small tensors; with an
+    # OpenMP thread per core on a host whose cores the engine, the sandboxes and the workers keep busy, each op waits
+    # on threads that are not scheduled (bench/driver_threads.py). 0: every core.
+    driver_torch_threads: int = 1
     time_limit_s: float = 0.0  # > 0: end the run before a step that would end past it
     # stop: checkpoint and stop (resume=true goes on); finish: make the last step that fits the final one (its
     # final evaluation included), for a run that must end complete within one job slot
@@ -181,6 +185,8 @@ class TrainerConfig:
         for key in ("learning_rate", "critic_learning_rate", "critic_head_learning_rate"):
             if getattr(self, key) < 0:
                 out.append(f"{prefix}.{key}={getattr(self, key)}: must be >= 0")
+        if self.driver_torch_threads < 0:
+            out.append(f"{prefix}.driver_torch_threads={self.driver_torch_threads}: must be >= 0 (0: every core)")
         for key in ("steps", "episodes_per_step", "micro_batch_tokens", "eval_samples"):
             if getattr(self, key) < 1:
                 out.append(f"{prefix}.{key} must be >= 1")

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from environments import make_sandbox
@@ -115,6 +118,18 @@ def write_audit(audit, step: int, trajs) -> None:
         for event in t.guard_events:
             audit.write(json.dumps({"step": step, "task": t.task_id, "rollout_id": t.rollout_id, **event}) + "\n")
     audit.flush()
+
+
+@contextmanager
+def driver_threads(threads: int):
+    """The driver's torch threads for the run (trainer.driver_torch_threads; 0: every core), the caller's again
+    after it: a test or a notebook that runs a loop in its own process keeps its thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def check_sandbox(backend: str) -> None:

@@ -27,8 +27,8 @@ from rl.cluster import Workers, engine_metrics, guard_metrics, run_episodes, sta
 from rl.config import Config, overlaps_models, register_configs, validate
 from rl.data import TaskSampler
 from rl.group import TrainerRankDied
-from rl.loop import (BackgroundEval, TimeLimit, Timer, check_sandbox, checkpoint_state, prepare_run_dir,
-                     write_audit)
+from rl.loop import (BackgroundEval, TimeLimit, Timer, check_sandbox, checkpoint_state, driver_threads,
+                     prepare_run_dir, write_audit)
 from rl.run_log import MetricsLogger, plot_curves
 from rl.rollout_manager import RolloutManager
 from rl.trajectory_metrics import trajectory_metrics
@@ -230,8 +230,10 @@ register_configs()
 
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def main(dcfg: DictConfig) -> None:
+    cfg = OmegaConf.to_object(dcfg)
     try:
-        train(OmegaConf.to_object(dcfg))
+        with driver_threads(cfg.trainer.driver_torch_threads):
+            train(cfg)
     except TrainerRankDied as exc:  # the message says how to go on; the traceback adds nothing
         log.error("%s", exc)
         raise SystemExit(1) from None

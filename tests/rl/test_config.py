@@ -81,11 +81,11 @@ def test_semantic_validation():
     validate(composed("+experiment=coding_ppo"))
     cfg = composed("+experiment=coding_ppo", "agent.compaction.reserve=10", "algorithm.kl_estimator=k7",
                    "algorithm.dual_clip=0.5", "env.reward=vibes", "trainer.eval_samples=4",
-                   "trainer.time_limit_action=pause")
+                   "trainer.time_limit_action=pause", "trainer.driver_torch_threads=-1")
     with pytest.raises(ValueError) as err:
         validate(cfg)
     for key in ("reserve", "algorithm.kl_estimator", "algorithm.dual_clip", "env.reward", "trainer.eval_samples",
-                "trainer.time_limit_action"):
+                "trainer.time_limit_action", "trainer.driver_torch_threads"):
         assert key in str(err.value)
     validate(composed("+experiment=coding_ppo", "algorithm.reference_every=4"))  # KL only logged: fine
     for bad, why in (("algorithm.reference_every=0", "must be >= 1"), ("algorithm.kl_loss_coef=0.01",

@@ -1,14 +1,16 @@
 import json
+import os
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from environments import Task, TaskFile
 from rl.checkpoint import Checkpointer
 from rl.data import TaskSampler
 from rl.run_log import MetricsLogger, main as run_log_main, panel_lines, plot_curves, read_metrics
-from rl.loop import TimeLimit, runs_out
+from rl.loop import TimeLimit, driver_threads, runs_out
 
 
 def test_metrics_jsonl_resume_and_plot(tmp_path):
@@ -53,6 +55,20 @@ def test_compare_draws_each_run_on_the_same_panels(tmp_path, capsys):
         with pytest.raises(SystemExit):
             run_log_main(bad + ["--out", str(tmp_path / "x.png")])
     assert "expected NAME=METRICS.jsonl" in capsys.readouterr().err
+
+
+def test_driver_threads_for_the_run_then_the_callers_again():
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    with driver_threads(other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="a crashed run"), driver_threads(other):
+        raise RuntimeError("a crashed run")
+    assert torch.get_num_threads() == before  # also after a run that raised
+    with driver_threads(0):  # 0: every core
+        assert torch.get_num_threads() == os.cpu_count()
+    assert torch.get_num_threads() == before
 
 
 def test_checkpointer_latest_and_prune(tmp_path):
